@@ -1,0 +1,32 @@
+# make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU).
+# make test:  set up .venv and run the test suite.
+# On a CPU-only machine torch==2.13.0 is the CPU build (from the local wheel cache or
+# TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu). GPU users: see README.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test test-fast clean-logs
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(PY) -m pip install -q -e ".[test,hf]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean-logs:
+	rm -rf logs multirun outputs

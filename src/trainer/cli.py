@@ -1,0 +1,101 @@
+"""The command line around `train()`: one-line errors, exit codes, multirun dispatch.
+
+Exit codes: 0 ok, 1 a bug or a failed sweep job, 2 bad input (config, files, checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_HYDRA_FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> None:
+    """Compose the config with Hydra's compose API before ``@hydra.main`` runs, so an unknown
+    group option, a misspelt key or a syntax error becomes one line naming it (Hydra's own
+    report is several lines). Under ``-m`` every job of a basic sweep is composed."""
+    if any(a.startswith("-") and a not in _HYDRA_FLAGS_WITHOUT_VALUE for a in argv):
+        return  # --cfg, --help, -cn ...: Hydra's own business
+    overrides = [a for a in argv if not a.startswith("-")]
+    multirun = any(a in _HYDRA_FLAGS_WITHOUT_VALUE for a in argv)
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [overrides]
+        if multirun:
+            from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+            try:
+                jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+            except Exception:  # sweeps a basic sweeper can't expand (interval, ...): check the rest
+                jobs = [[o.input_line for o in parsed if not o.is_sweep_override()]]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(config_dir), version_base="1.3"):
+            for job in jobs:
+                compose(config_name, overrides=list(job), return_hydra_config=True)
+    except Exception as e:  # noqa: BLE001 - any composition failure is bad input
+        fail(_flatten_hydra_error(e))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _flatten_hydra_error(e: Exception) -> str:
+    text = str(e)
+    text = text.replace("\n\t", ", ").replace(":,", ":")
+    return " ".join(text.split())
+
+
+def find_config_error(exc: BaseException | None) -> ConfigError | None:
+    """The ConfigError behind an exception (Hydra's instantiate wraps them)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConfigError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def run(cfg: Any) -> float | None:
+    """The Hydra task function: a multirun job is run in its own process tree."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from src.trainer.sweep import run_job_in_subprocess
+
+        return run_job_in_subprocess(cfg)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from src.trainer.entry import train
+
+    try:
+        metrics = train(cfg)
+    except Exception as e:  # noqa: BLE001
+        config_error = find_config_error(e)
+        if config_error is not None:
+            log.debug("bad input", exc_info=True)
+            fail(str(config_error))
+        if isinstance(e, MisconfigurationException):
+            fail(f"{type(e).__name__}: {e}")
+        raise
+    value = metrics.get(cfg.get("optimized_metric"))
+    return float(value) if isinstance(value, (int, float)) else None

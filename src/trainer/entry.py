@@ -1,0 +1,148 @@
+"""`train(cfg)`: compose -> instantiate -> fit -> export -> report, for one run.
+
+Rank awareness: everything before ``trainer.fit`` runs in the launching process (rank 0),
+and again in each child rank, which Lightning starts inside ``fit``. ``rank_zero_only.rank``
+(read from LOCAL_RANK/RANK at import) is the reliable rank test before fit; writes into
+the run dir are rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.errors import ConfigError
+from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
+from src.trainer.ds_config import apply_ds_json_to_cfg
+from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
+from src.trainer.optim import scaled_lr
+from src.trainer.secrets import redact
+from src.trainer.validate import fp16_supported, validate_config
+
+log = logging.getLogger(__name__)
+
+
+def world_size(cfg: DictConfig) -> int:
+    devices = cfg.trainer.devices
+    if devices in ("auto", -1):
+        import torch
+
+        devices = torch.cuda.device_count() if cfg.trainer.accelerator in ("gpu", "cuda") else 1
+    return int(devices) * int(cfg.trainer.num_nodes)
+
+
+def prepare_config(cfg: DictConfig) -> None:
+    """Validate, then settle the values derived from others (ds_config.json, LR scaling)."""
+    validate_config(cfg)
+    if str(cfg.trainer.accelerator) == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with open_dict(cfg):
+        apply_ds_json_to_cfg(cfg, fp16_supported(str(cfg.trainer.accelerator)))
+        global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size(cfg)
+        cfg.optim.optimizer.lr = scaled_lr(float(cfg.optim.lr), global_batch, cfg.optim.get("scale_lr_base_batch_size"))
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
+    datamodule = hydra.utils.instantiate(cfg.data)
+    module = hydra.utils.instantiate(
+        cfg.model,
+        optimizer=hydra.utils.instantiate(cfg.optim.optimizer),
+        scheduler=hydra.utils.instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
+    )
+    _check_vocab(module, datamodule)
+    final_ckpt = FinalCheckpoint(Path(cfg.paths.output_dir) / "checkpoints")
+    callbacks = instantiate_callbacks(cfg.get("callbacks")) + [final_ckpt]
+    loggers = instantiate_loggers(cfg.get("logger"))
+    strategy = hydra.utils.instantiate(cfg.strategy)
+    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    return datamodule, module, trainer, final_ckpt
+
+
+def _check_vocab(module: Any, datamodule: Any) -> None:
+    emb = getattr(module.net, "get_input_embeddings", lambda: None)()
+    model_vocab = getattr(emb, "num_embeddings", None)
+    if model_vocab is not None and model_vocab < datamodule.vocab_size:
+        raise ConfigError(
+            f"data.vocab_size={datamodule.vocab_size} exceeds the model's vocabulary ({model_vocab}); "
+            f"set data.vocab_size<={model_vocab} or use a model with a larger vocab"
+        )
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    started = time.time()
+    prepare_config(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule, module, trainer, final_ckpt = build(cfg)
+    if rank_zero_only.rank == 0:
+        _write_config(cfg, output_dir, trainer)
+    ckpt_path = resolve_ckpt_path(cfg, output_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    metrics = _collect_metrics(trainer, module, started, ckpt_path, final_ckpt.path)
+    if trainer.is_global_zero:
+        if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf):
+            net_factory = lambda: hydra.utils.instantiate(cfg.model.net)  # noqa: E731
+            metrics["exports"] = export_final(
+                final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf)
+            )
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        _print_summary(metrics, output_dir)
+    return metrics
+
+
+def _write_config(cfg: DictConfig, output_dir: Path, trainer: L.Trainer) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+    (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    for logger in trainer.loggers:
+        logger.log_hyperparams(resolved)
+
+
+def _collect_metrics(trainer: L.Trainer, module: Any, started: float, resumed_from: str | None,
+                     final_ckpt: Path | None) -> dict[str, Any]:
+    metrics: dict[str, Any] = {
+        k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
+    }
+    metrics.update({
+        "val/loss_at_start": module.val_loss_at_start,
+        "global_step": trainer.global_step,
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "zero_stage": (trainer.strategy.config or {}).get("zero_optimization", {}).get("stage")
+        if hasattr(trainer.strategy, "config") else None,
+        "precision": str(trainer.precision),
+        "time_s": round(time.time() - started, 2),
+        "resumed_from": resumed_from,
+        "final_checkpoint": str(final_ckpt) if final_ckpt else None,
+        "status": "interrupted" if trainer.interrupted else "completed",
+    })
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+
+
+def _print_summary(metrics: dict[str, Any], output_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    table = Table(title="run summary", show_header=False)
+    for key in ("status", "strategy", "zero_stage", "world_size", "precision", "global_step", "time_s",
+                "train/loss", "val/loss_at_start", "val/loss", "val/ppl", "final_checkpoint"):
+        if metrics.get(key) is not None:
+            table.add_row(key, fmt(metrics[key]))
+    for name, path in (metrics.get("exports") or {}).items():
+        table.add_row(f"export/{name}", path)
+    table.add_row("run dir", str(output_dir))
+    Console().print(table)

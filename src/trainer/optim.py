@@ -1,0 +1,66 @@
+"""Optimizer pieces: decay/no-decay parameter groups, warmup + cosine schedule, LR scaling.
+
+Seed 002: linear LR scaling with the global batch size, linear warmup over the first 10% of
+steps, gradient clipping at max_norm=1.0 (clipping itself is the Trainer's/DeepSpeed's).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
+    """Biases, norms and embeddings get no weight decay; the rest the optimizer's default."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or "norm" in name.lower() or "embed" in name.lower():
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.1,
+                  warmup_steps: int | None = None, min_lr_ratio: float = 0.1) -> LambdaLR:
+    """Linear warmup from ~0 to the peak LR, then cosine decay to ``min_lr_ratio * peak``."""
+    if not 0.0 <= warmup_ratio < 1.0:
+        raise ConfigError(f"optim.scheduler.warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    total_steps = max(1, int(total_steps))
+    warmup = int(warmup_steps) if warmup_steps is not None else int(round(warmup_ratio * total_steps))
+    warmup = min(warmup, total_steps - 1) if total_steps > 1 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def scaled_lr(lr: float, global_batch_size: int, base_batch_size: int | None) -> float:
+    """Linear scaling rule (Goyal et al.): lr * global_batch / base_batch; off when base is None."""
+    if base_batch_size is None:
+        return lr
+    if base_batch_size <= 0:
+        raise ConfigError(f"optim.scale_lr_base_batch_size must be a positive int or null, got {base_batch_size}")
+    new_lr = lr * global_batch_size / base_batch_size
+    log.info("linear LR scaling: lr %.3g x global batch %d / base batch %d = %.3g",
+             lr, global_batch_size, base_batch_size, new_lr)
+    return new_lr

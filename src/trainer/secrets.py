@@ -1,0 +1,18 @@
+"""Keep secrets out of everything the framework writes (config dumps, hparams, reports)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential|auth)", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact(obj: Any) -> Any:
+    """A copy of a plain container with values under secret-looking keys replaced."""
+    if isinstance(obj, dict):
+        return {k: (REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj

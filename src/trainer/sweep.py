@@ -1,0 +1,93 @@
+"""Hydra multirun with distributed jobs: every job in its own process tree.
+
+Under ``-m`` the Hydra process does not train. For each job it starts
+``python train.py <this job's overrides> hydra.run.dir=<job dir>`` and waits: the job's
+ranks are that child and the ranks it launches, so no process group, DeepSpeed state or
+port survives into the next job, a crashing job cannot take the sweep down, and no rank
+ever creates an output dir of its own. The job's metric comes back through
+``metrics.json`` (what Optuna optimizes). `SweepSummary` prints one table at the end and
+makes the sweep exit non-zero if any job failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+JOB_STATUS = "job_status.json"
+METRICS = "metrics.json"
+
+
+def run_job_in_subprocess(cfg: DictConfig) -> float:
+    """Called in the Hydra multirun process for one job; returns the optimized metric."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd
+
+    hc = HydraConfig.get()
+    job_dir = Path(hc.runtime.output_dir)
+    script = Path(get_original_cwd(), sys.argv[0]).resolve()
+    command = [sys.executable, str(script), *hc.overrides.task, f'hydra.run.dir="{job_dir}"', "hydra.mode=RUN"]
+    log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(command, cwd=get_original_cwd(), env=env)
+    metrics = _read_json(job_dir / METRICS)
+    metric_name = cfg.get("optimized_metric")
+    value = metrics.get(metric_name) if metric_name else None
+    status = {
+        "job": hc.job.num,
+        "overrides": list(hc.overrides.task),
+        "returncode": proc.returncode,
+        "status": "completed" if proc.returncode == 0 else "failed",
+        "metric": metric_name,
+        "value": value,
+        "dir": str(job_dir),
+    }
+    (job_dir / JOB_STATUS).write_text(json.dumps(status, indent=2))
+    if proc.returncode != 0:
+        log.error("job %s failed with exit code %s; see %s", hc.job.num, proc.returncode, job_dir)
+        return float("nan")
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+class SweepSummary(Callback):
+    """Hydra callback: one table for the sweep; exit code 1 if any job failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = [_read_json(p) for p in sorted(sweep_dir.glob(f"*/{JOB_STATUS}"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)]
+        if not rows:
+            return
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2))
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"sweep {sweep_dir}")
+        for col in ("job", "overrides", "status", rows[0].get("metric") or "metric"):
+            table.add_column(col)
+        for r in rows:
+            v = r.get("value")
+            table.add_row(str(r["job"]), " ".join(r["overrides"]), r["status"],
+                          f"{v:.4f}" if isinstance(v, (int, float)) and math.isfinite(v) else "-")
+        Console(stderr=True).print(table)
+        failed = [r for r in rows if r["status"] != "completed"]
+        if failed:
+            log.error("%d of %d jobs failed: %s", len(failed), len(rows), ", ".join(str(r["job"]) for r in failed))
+            sys.exit(1)

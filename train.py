@@ -1,0 +1,30 @@
+#!/usr/bin/env python
+"""Train a model: ``python train.py [group=option ...] [key=value ...]``.
+
+compose (Hydra, conf/train.yaml) -> instantiate -> fit -> export -> report.
+Examples: ``python train.py strategy=zero3 trainer=ddp_sim``,
+``python train.py -m optim.lr=1e-3,3e-3 strategy=zero2,zero3 trainer=ddp_sim trainer.max_steps=5``.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+
+from src.trainer.cli import precheck_overrides, run  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg):
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # child ranks were started from a checked config
+        precheck_overrides(sys.argv[1:], ROOT / "conf", "train")
+    main()
