@@ -1,0 +1,258 @@
+"""`LMDataModule`: a text source -> cached BPE token ids -> fixed-length packed blocks.
+
+Packing: every document's ids followed by EOS, concatenated, cut into `seq_len` blocks
+(no padding; a block may span documents). The split is contiguous by token position: the
+last ~`val_fraction` of the blocks is validation, so no token is in both splits.
+Batches are ``{"input_ids": LongTensor[B, seq_len], "labels": same values}``; the model
+shifts the labels.
+
+Rank awareness: `prepare_data` runs on local rank 0 only (Lightning) and builds the cache;
+`setup` runs on every rank, loads the cache, and builds it itself if it is missing (e.g.
+`prepare_data` was not called, or nodes do not share `cache_dir`). Builds are atomic, so
+racing ranks are safe (see `tokenizer.py`). Neither method calls a collective.
+
+Example (conf/data/kjv.yaml)::
+
+    _target_: src.data.datamodule.LMDataModule
+    source: {_target_: src.data.corpus.KJVCorpus}
+    vocab_size: 4096
+    seq_len: 128
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset
+
+from src.data.corpus import Corpus, SyntheticCorpus, resolve_path
+from src.data.resumable import (
+    EpochShuffleSampler,
+    ResumableDataLoader,
+    ResumePosition,
+    batches_consumed_in_epoch,
+)
+from src.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
+from src.errors import ConfigError
+
+SOURCES = "src.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
+
+
+class PackedBlocks(Dataset):
+    """Blocks ``tokens[start + i*seq_len : start + (i+1)*seq_len]`` for i < num_blocks."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, num_blocks: int):
+        self.tokens, self.seq_len, self.start, self.num_blocks = tokens, seq_len, start, num_blocks
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        """Half-open [first, last) token positions covered by this split."""
+        return self.start, self.start + self.num_blocks * self.seq_len
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(i)
+        a = self.start + i * self.seq_len
+        ids = torch.from_numpy(np.asarray(self.tokens[a : a + self.seq_len], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed numpy/random per dataloader worker from torch's per-worker seed."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_int(key: str, value, minimum: int, what: str) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"data.{key} must be {what}, got {value!r}")
+    return int(value)
+
+
+def _as_source(source) -> Corpus:
+    if isinstance(source, Corpus):
+        return source
+    if isinstance(source, Mapping) or hasattr(source, "_target_"):
+        from hydra.utils import instantiate
+
+        built = instantiate(source)
+        if isinstance(built, Corpus):
+            return built
+        source = built
+    raise ConfigError(f"data.source must be a corpus with _target_ one of {SOURCES}, got {source!r}")
+
+
+class LMDataModule(L.LightningDataModule):
+    """Language-model data: source -> byte-level BPE (cached) -> packed blocks.
+
+    Args:
+        source: a corpus from `src.data.corpus` (Hydra builds it from `data.source`).
+        vocab_size: BPE vocabulary size (tokenizer size must equal it), or the id range of
+            a synthetic source. Available before `setup`, so the model can be built first.
+        seq_len: tokens per block. batch_size: blocks per batch (per rank).
+        num_workers, pin_memory: DataLoader settings; workers are persistent when > 0.
+        val_fraction: share of blocks, taken from the end of the corpus, used for val.
+        seed: seeds the train shuffle order (and nothing else).
+        cache_dir: where tokenizers and token ids are cached, keyed by content.
+        max_tokens: use only the first `max_tokens` tokens (quick runs); None = all.
+
+    After `setup`: `tokenizer` (PreTrainedTokenizerFast; None for synthetic),
+    `tokenizer_dir`, `train_dataset`, `val_dataset` (`PackedBlocks`), `num_train_tokens`,
+    `num_val_tokens`, `num_tokens`, `eos_token_id`, `pad_token_id`.
+    """
+
+    def __init__(
+        self,
+        source,
+        vocab_size: int = 4096,
+        seq_len: int = 128,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        val_fraction: float = 0.05,
+        seed: int = 42,
+        cache_dir: str | os.PathLike = ".cache/data",
+        max_tokens: int | None = None,
+    ):
+        super().__init__()
+        self.source = _as_source(source)
+        self.is_synthetic = isinstance(self.source, SyntheticCorpus)
+        min_vocab = 2 if self.is_synthetic else MIN_VOCAB_SIZE
+        self.vocab_size = _check_int(
+            "vocab_size", vocab_size, min_vocab,
+            f"an int >= {min_vocab}" + ("" if self.is_synthetic else " (256 bytes + 2 special tokens)"),
+        )
+        self.seq_len = _check_int("seq_len", seq_len, 1, "a positive int")
+        self.batch_size = _check_int("batch_size", batch_size, 1, "a positive int")
+        self.num_workers = _check_int("num_workers", num_workers, 0, "an int >= 0")
+        if not isinstance(pin_memory, bool):
+            raise ConfigError(f"data.pin_memory must be true or false, got {pin_memory!r}")
+        self.pin_memory = pin_memory
+        if (
+            not isinstance(val_fraction, (int, float)) or isinstance(val_fraction, bool)
+            or not 0 < val_fraction <= 0.5
+        ):
+            raise ConfigError(f"data.val_fraction must be in (0, 0.5], got {val_fraction!r}")
+        self.val_fraction = float(val_fraction)
+        if not _is_int(seed):
+            raise ConfigError(f"data.seed must be an int, got {seed!r}")
+        self.seed = int(seed)
+        if not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir):
+            raise ConfigError(f"data.cache_dir must be a directory path, got {cache_dir!r}")
+        self.cache_dir = str(resolve_path(cache_dir))
+        if max_tokens is not None:
+            max_tokens = _check_int("max_tokens", max_tokens, 1, "a positive int or null")
+        self.max_tokens = max_tokens
+
+        self.tokenizer = None
+        self.tokenizer_dir: str | None = None
+        self.eos_token_id: int | None = None
+        self.pad_token_id: int | None = None
+        self.train_dataset: PackedBlocks | None = None
+        self._position = ResumePosition()
+        self.val_dataset: PackedBlocks | None = None
+        self.num_tokens: int | None = None
+        self.num_train_tokens: int | None = None
+        self.num_val_tokens: int | None = None
+
+    # -- Lightning hooks ------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Local rank 0 only: train the tokenizer and encode the corpus into the cache."""
+        if not self.is_synthetic:
+            ensure_cache(self.source, self.vocab_size, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Every rank: load (or build) the cache and cut the packed train/val blocks."""
+        if self.train_dataset is not None:
+            return
+        if self.is_synthetic:
+            tokens = self.source.token_ids(self.vocab_size)
+        else:
+            cache = ensure_cache(self.source, self.vocab_size, self.cache_dir)
+            tokenizer = cache.load_tokenizer()
+            if len(tokenizer) != self.vocab_size:
+                raise ConfigError(
+                    f"data.vocab_size={self.vocab_size} but the cached tokenizer "
+                    f"{cache.tokenizer_dir} has {len(tokenizer)} tokens; delete that cache entry"
+                )
+            self.tokenizer, self.tokenizer_dir = tokenizer, str(cache.tokenizer_dir)
+            self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+            tokens = cache.load_tokens()
+        if self.max_tokens is not None:
+            tokens = tokens[: self.max_tokens]
+
+        n_blocks = len(tokens) // self.seq_len
+        n_val = max(1, round(n_blocks * self.val_fraction))
+        n_train = n_blocks - n_val
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if n_train < self.batch_size * world:
+            ranks = f" x {world} ranks" if world > 1 else ""
+            raise ConfigError(
+                f"corpus too small: {max(n_train, 0)} train blocks of data.seq_len={self.seq_len} "
+                f"< data.batch_size={self.batch_size}{ranks}; "
+                "lower data.batch_size/data.seq_len or add text"
+            )
+        self.train_dataset = PackedBlocks(tokens, self.seq_len, 0, n_train)
+        self.val_dataset = PackedBlocks(tokens, self.seq_len, n_train * self.seq_len, n_val)
+        self.num_tokens = len(tokens)
+        self.num_train_tokens = n_train * self.seq_len
+        self.num_val_tokens = n_val * self.seq_len
+        rank_zero_info(
+            f"data: {self.source!r}: {len(tokens):,} tokens -> {n_train:,} train / {n_val:,} val "
+            f"blocks of {self.seq_len} (vocab {self.vocab_size}, cache {self.tokenizer_dir})"
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # Order is a function of (seed, epoch) and resumes mid-epoch exactly (resumable.py).
+        self._require_setup()
+        sampler = EpochShuffleSampler(self.train_dataset, seed=self.seed)
+        return self._loader(self.train_dataset, sampler=sampler, drop_last=True,
+                            loader_cls=ResumableDataLoader, position=self._position)
+
+    def val_dataloader(self) -> DataLoader:
+        self._require_setup()
+        return self._loader(self.val_dataset, shuffle=False, drop_last=False)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _require_setup(self) -> None:
+        if self.train_dataset is None:
+            self.setup("fit")
+
+    def state_dict(self) -> dict[str, int]:
+        """Saved in every checkpoint: where in the epoch the data stream was."""
+        return {"batches_consumed_in_epoch": batches_consumed_in_epoch(self.trainer)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._position.skip = int(state.get("batches_consumed_in_epoch", 0))
+
+    def _loader(self, dataset: PackedBlocks, loader_cls: type = DataLoader, **kwargs) -> DataLoader:
+        return loader_cls(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            worker_init_fn=seed_worker if self.num_workers > 0 else None,
+            **kwargs,
+        )
+
+    @property
+    def cache_path(self) -> Path | None:
+        return Path(self.tokenizer_dir).parent if self.tokenizer_dir else None

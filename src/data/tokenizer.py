@@ -1,0 +1,193 @@
+"""Byte-level BPE trained on first use, plus the corpus' token ids, cached on disk.
+
+Cache layout, one entry per (source fingerprint, vocab_size)::
+
+    <cache_dir>/<key>/tokenizer/   PreTrainedTokenizerFast.save_pretrained output
+    <cache_dir>/<key>/tokens.npy   all documents' ids, each followed by EOS (uint16 / int32)
+    <cache_dir>/<key>/meta.json    counts, dtype, build timings
+
+Atomicity: an entry is built in `<cache_dir>/.tmp-<key>-*` and moved into place with one
+`os.replace` of the directory, so `<key>/` either does not exist or is complete. Two
+processes (ranks on one node, or nodes sharing a filesystem) may both build; the first
+rename wins, the loser finds the target non-empty, deletes its own copy and uses the
+winner's. Nothing ever reads a `.tmp-*` directory.
+
+Runs on whichever process calls it; `LMDataModule.prepare_data` calls it on local rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"  # end of document, also the separator between packed docs
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]  # ids 0 and 1
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
+CACHE_FORMAT = 1  # bump when the layout or the tokenizer recipe changes
+_ENCODE_BATCH = 1000
+
+
+def cache_key(fingerprint: str, vocab_size: int) -> str:
+    blob = json.dumps({"fingerprint": fingerprint, "vocab_size": vocab_size, "format": CACHE_FORMAT})
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size < 65536 else np.int32
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a GPT-2-style byte-level BPE; lossless for any text (every byte is a token)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents, trainer)
+    return tok
+
+
+def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,  # decode(encode(s)) == s
+    )
+
+
+def encode_documents(
+    tok: Tokenizer, documents: Iterable[str], dtype: type
+) -> tuple[np.ndarray, int, int]:
+    """Concatenate every document's ids, each followed by EOS -> (ids, n_docs, n_chars)."""
+    eos = tok.token_to_id(EOS_TOKEN)
+    chunks: list[np.ndarray] = []
+    n_docs = n_chars = 0
+    for batch in _batched(documents, _ENCODE_BATCH):
+        ids: list[int] = []
+        for enc in tok.encode_batch(batch, add_special_tokens=False):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        chunks.append(np.asarray(ids, dtype=dtype))
+        n_docs += len(batch)
+        n_chars += sum(map(len, batch))
+    ids_all = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    return ids_all, n_docs, n_chars
+
+
+def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class TokenCache:
+    """One complete cache entry (a directory that only ever appears whole)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tokenizer_dir = self.path / "tokenizer"
+        self.tokens_path = self.path / "tokens.npy"
+        self.meta = json.loads((self.path / "meta.json").read_text())
+
+    def load_tokenizer(self) -> PreTrainedTokenizerFast:
+        return PreTrainedTokenizerFast.from_pretrained(str(self.tokenizer_dir))
+
+    def load_tokens(self) -> np.ndarray:
+        """Memory-mapped: pages are shared between ranks and dataloader workers."""
+        return np.load(self.tokens_path, mmap_mode="r")
+
+
+def find_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> TokenCache | None:
+    entry = Path(cache_dir) / cache_key(source.fingerprint(), vocab_size)
+    return TokenCache(entry) if (entry / "meta.json").is_file() else None
+
+
+def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> TokenCache:
+    """Return the cache entry for (source, vocab_size), building it if missing."""
+    fingerprint = source.fingerprint()
+    root = Path(cache_dir)
+    entry = root / cache_key(fingerprint, vocab_size)
+    if (entry / "meta.json").is_file():
+        return TokenCache(entry)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=root))
+    except OSError as e:
+        raise ConfigError(f"data.cache_dir={str(root)!r} is not writable: {e.strerror}") from None
+    try:
+        _build(source, fingerprint, vocab_size, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes 0700; a shared cache should stay readable
+        try:
+            os.replace(tmp, entry)
+            log.info("data cache built: %s (%s)", entry, source)
+        except OSError:
+            if not (entry / "meta.json").is_file():
+                raise ConfigError(
+                    f"data cache entry {entry} exists but is incomplete (no meta.json); delete it"
+                ) from None
+            log.info("data cache built concurrently by another process; using %s", entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when our rename won
+    return TokenCache(entry)
+
+
+def _build(source, fingerprint: str, vocab_size: int, out: Path) -> None:
+    t0 = time.perf_counter()
+    tok = train_bpe(source.documents(), vocab_size)
+    train_s = time.perf_counter() - t0
+    learned = tok.get_vocab_size()
+    if learned != vocab_size:
+        raise ConfigError(
+            f"data.vocab_size={vocab_size} but BPE on {source!r} learned only {learned} tokens "
+            f"(corpus too small); set data.vocab_size<={learned} or add text"
+        )
+    wrap(tok).save_pretrained(str(out / "tokenizer"))
+    t1 = time.perf_counter()
+    tokens, n_docs, n_chars = encode_documents(tok, source.documents(), token_dtype(vocab_size))
+    encode_s = time.perf_counter() - t1
+    if n_docs == 0:
+        raise ConfigError(f"data.source {source!r} produced no documents")
+    np.save(out / "tokens.npy", tokens)
+    meta = {
+        "format": CACHE_FORMAT,
+        "fingerprint": fingerprint,
+        "vocab_size": vocab_size,
+        "num_documents": n_docs,
+        "num_chars": n_chars,
+        "num_tokens": int(tokens.size),
+        "dtype": np.dtype(tokens.dtype).name,
+        "eos_token_id": tok.token_to_id(EOS_TOKEN),
+        "pad_token_id": tok.token_to_id(PAD_TOKEN),
+        "train_seconds": round(train_s, 3),
+        "encode_seconds": round(encode_s, 3),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
