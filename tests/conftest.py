@@ -1,0 +1,75 @@
+"""Shared test helpers: run train.py as a user would, and read what a run wrote."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# A few steps of real training on a slice of the default corpus; no progress bar, CSV logs.
+FAST = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "~callbacks.rich_progress_bar",
+    "data.max_tokens=60000",
+    "logger=csv",
+]
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> Path:
+    """One tokenizer/token cache for the whole session (trained once, ~2 s)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_train(args: list[str], log_dir: Path, cache: Path, timeout: int = 400,
+              env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python train.py <args> paths.log_dir=<log_dir>``; returns the finished process."""
+    full_env = {**os.environ, "DSDEBUG_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        full_env.pop(key, None)
+    cmd = [sys.executable, str(REPO / "train.py"), *args, f"paths.log_dir={log_dir}"]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+
+
+def run_dirs(log_dir: Path) -> list[Path]:
+    return sorted((log_dir / "train" / "runs").glob("*"))
+
+
+def only_run_dir(log_dir: Path) -> Path:
+    dirs = run_dirs(log_dir)
+    assert len(dirs) == 1, f"expected exactly one run dir, got {dirs}"
+    return dirs[0]
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> train/loss from the CSV logger (logged every step by the tests' configs)."""
+    out = {}
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            if row.get("train/loss"):
+                out[int(row["step"])] = float(row["train/loss"])
+    return out
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
