@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 a bug or a failed sweep job, 2 bad input (config, files, che
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -17,10 +18,13 @@ log = logging.getLogger(__name__)
 _HYDRA_FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+def _is_rank_zero() -> bool:
+    # the same env vars Lightning's rank_zero_only reads, without importing Lightning
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
-    if rank_zero_only.rank == 0:
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    if _is_rank_zero():
         print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -83,17 +87,20 @@ def run(cfg: Any) -> float | None:
         from src.trainer.sweep import run_job_in_subprocess
 
         return run_job_in_subprocess(cfg)
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from src.trainer.entry import train
+    from src.trainer.validate import validate_config
 
     try:
+        validate_config(cfg)  # before the heavy imports: bad input fails in ~1 s
+        from src.trainer.entry import train
+
         metrics = train(cfg)
     except Exception as e:  # noqa: BLE001
         config_error = find_config_error(e)
         if config_error is not None:
             log.debug("bad input", exc_info=True)
             fail(str(config_error))
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         if isinstance(e, MisconfigurationException):
             fail(f"{type(e).__name__}: {e}")
         raise

@@ -79,12 +79,14 @@ class SweepSummary(Callback):
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"sweep {sweep_dir}")
+        common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+        table = Table(title=f"sweep {sweep_dir}", caption="common: " + " ".join(sorted(common)))
         for col in ("job", "overrides", "status", rows[0].get("metric") or "metric"):
             table.add_column(col)
         for r in rows:
             v = r.get("value")
-            table.add_row(str(r["job"]), " ".join(r["overrides"]), r["status"],
+            varying = [o for o in r["overrides"] if o not in common]
+            table.add_row(str(r["job"]), " ".join(varying), r["status"],
                           f"{v:.4f}" if isinstance(v, (int, float)) and math.isfinite(v) else "-")
         Console(stderr=True).print(table)
         failed = [r for r in rows if r["status"] != "completed"]

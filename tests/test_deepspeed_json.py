@@ -1,0 +1,88 @@
+"""strategy=deepspeed_json: the seeds' ds_config.json files run as written."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from src.errors import ConfigError
+from src.trainer.ds_config import apply_ds_json_to_cfg, load_ds_config, resolve_auto_values
+from tests.conftest import FAST, REPO, assert_ok, metrics, only_run_dir, run_train
+
+EXAMPLES = REPO / "examples" / "ds_configs"
+
+
+def _cfg(path, devices=1):
+    return OmegaConf.create({
+        "strategy": {"config": str(path)},
+        "data": {"batch_size": 2},
+        "trainer": {"devices": devices, "num_nodes": 1, "accumulate_grad_batches": 1,
+                    "gradient_clip_val": 1.0, "precision": "32-true"},
+    })
+
+
+def test_numbers_in_the_json_become_the_run_settings():
+    cfg = _cfg(EXAMPLES / "seed002_zero3_offload_fp16.json")
+    apply_ds_json_to_cfg(cfg, fp16_supported=True)
+    assert cfg.data.batch_size == 8 and cfg.trainer.accumulate_grad_batches == 4
+    assert cfg.trainer.precision == "16-mixed"
+    cfg = _cfg(EXAMPLES / "seed002_zero3_offload_fp16.json")
+    apply_ds_json_to_cfg(cfg, fp16_supported=False)  # a CPU without fp16
+    assert cfg.trainer.precision == "bf16-mixed"
+
+
+def test_auto_values_resolve_from_trainer_and_model():
+    config = load_ds_config(EXAMPLES / "seed003_zero3.json")
+    module = SimpleNamespace(
+        trainer=SimpleNamespace(accumulate_grad_batches=2, precision="bf16-mixed"),
+        net=SimpleNamespace(config=SimpleNamespace(hidden_size=256)),
+    )
+    resolve_auto_values(config, module, source="seed003_zero3.json")
+    # Lightning fills these from the trainer when they are absent
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert key not in config
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 256 * 256
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 256 * 256)
+    assert zero["stage3_param_persistence_threshold"] == 2560
+    assert "auto" not in json.dumps(config)
+
+
+def test_unresolvable_auto_is_a_one_line_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}))
+    with pytest.raises(ConfigError, match=r"sub_group_size.*resolvable"):
+        resolve_auto_values(load_ds_config(path), None, source=str(path))
+
+
+def test_train_batch_size_must_match(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}))
+    apply_ds_json_to_cfg(_cfg(path, devices=4), fp16_supported=True)  # 3 x 1 x 4 = 12: fine
+    with pytest.raises(ConfigError, match="train_batch_size=12 != micro batch 3"):
+        apply_ds_json_to_cfg(_cfg(path, devices=2), fp16_supported=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,trainer", [
+    ("seed002_zero3_offload_fp16.json", "cpu"),
+    ("seed003_zero2.json", "cpu"),
+    ("seed003_zero3.json", "ddp_sim"),
+])
+def test_seed_json_trains(name, trainer, tmp_path, shared_cache):
+    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+        "strategy=deepspeed_json", f"strategy.config={EXAMPLES / name}", f"trainer={trainer}",
+        "trainer.max_steps=2", "export.hf=false"]
+    proc = run_train(args, tmp_path, shared_cache)
+    assert_ok(proc)
+    run_dir = only_run_dir(tmp_path)
+    m = metrics(run_dir)
+    assert m["global_step"] == 2 and m["precision"] == "bf16-mixed"
+    assert m["zero_stage"] == json.loads((EXAMPLES / name).read_text())["zero_optimization"]["stage"]
+    resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
+    if name.startswith("seed002"):
+        assert resolved.data.batch_size == 8 and resolved.trainer.accumulate_grad_batches == 4
+        assert "downgraded" in (run_dir / "train.log").read_text() or "fp16" in proc.stderr
