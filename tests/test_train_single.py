@@ -40,6 +40,13 @@ def test_default_run_learns_and_writes_its_run_dir(default_run):
     assert ckpts == ["step_000004.ckpt", "step_000008.ckpt"]  # the last one is the final one
     assert (run_dir / "checkpoints" / "step_000008.ckpt" / "latest").is_file()  # DeepSpeed shards
     assert "run summary" in proc.stdout
+    import csv
+
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    aux = [float(r["train/aux_loss"]) for r in rows if r.get("train/aux_loss")]
+    assert len(aux) == 8 and all(0.9 < a < 4.0 for a in aux)  # MoE balance loss, 1.0 = balanced
+    lrs = [float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")]
+    assert lrs[0] < lrs[1] and max(lrs) == pytest.approx(3e-3, rel=1e-3)  # warmup up to the peak lr
 
 
 def test_exports_reload_with_identical_outputs(default_run):

@@ -78,6 +78,13 @@ def find_config_error(exc: BaseException | None) -> ConfigError | None:
     return None
 
 
+def _single_log_handler() -> None:
+    """Lightning adds its own console handler; Hydra's root handlers (console + per-rank
+    log file) already get every record, so without this each line prints twice."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).handlers.clear()
+
+
 def run(cfg: Any) -> float | None:
     """The Hydra task function: a multirun job is run in its own process tree."""
     from hydra.core.hydra_config import HydraConfig
@@ -89,6 +96,7 @@ def run(cfg: Any) -> float | None:
         return run_job_in_subprocess(cfg)
     from src.trainer.validate import validate_config
 
+    _single_log_handler()
     try:
         validate_config(cfg)  # before the heavy imports: bad input fails in ~1 s
         from src.trainer.entry import train
