@@ -43,7 +43,8 @@ def test_config_file_composes(path: Path):
         cfg = _compose([])
         assert cfg.hydra.run.dir
         return
-    cfg = _compose([f"{group}={option}"])
+    prefix = "+" if group == "callbacks" else ""  # callbacks are added: +callbacks=<name>
+    cfg = _compose([f"{prefix}{group}={option}"])
     assert cfg.hydra.runtime.choices[group] == option
     if group not in OVERRIDE_STYLE:  # a group of its own (not a global preset): its key exists
         assert cfg[group] is not None or group in ("callbacks",)
@@ -110,3 +111,8 @@ def test_optim_config_builds_a_warmup_cosine_schedule():
     assert lrs[0] < 2e-4 and max(lrs) == pytest.approx(1e-3, rel=1e-6)  # warmup to the peak
     assert lrs.index(max(lrs)) == 10  # 10% warmup
     assert lrs[-1] == pytest.approx(1e-4, rel=0.05)  # cosine to min_lr_ratio * peak
+
+
+def test_callbacks_are_added_removed_and_tuned_from_the_command_line():
+    cfg = _compose(["~callbacks.lr_monitor", "callbacks.model_checkpoint.every_n_train_steps=5"])
+    assert "lr_monitor" not in cfg.callbacks and cfg.callbacks.model_checkpoint.every_n_train_steps == 5

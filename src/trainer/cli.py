@@ -85,6 +85,17 @@ def _single_log_handler() -> None:
         logging.getLogger(name).handlers.clear()
 
 
+def _summarize_findings_after_crash() -> None:
+    """On a crash rank 0 still prints what the checks found (often the cause)."""
+    if not _is_rank_zero():
+        return
+    from src.findings import get_channel
+
+    channel = get_channel()
+    if channel.read_all():
+        channel.print_summary()
+
+
 def run(cfg: Any) -> float | None:
     """The Hydra task function: a multirun job is run in its own process tree."""
     from hydra.core.hydra_config import HydraConfig
@@ -103,6 +114,9 @@ def run(cfg: Any) -> float | None:
 
         metrics = train(cfg)
     except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "StoppedByCheck":
+            fail(str(e), code=e.exit_code)
+        _summarize_findings_after_crash()
         config_error = find_config_error(e)
         if config_error is not None:
             log.debug("bad input", exc_info=True)

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.errors import ConfigError
+from src.findings import configure_channel, get_channel
 from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
 from src.trainer.ds_config import apply_ds_json_to_cfg
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
@@ -82,6 +83,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     started = time.time()
     prepare_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
+    channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt = build(cfg)
     if rank_zero_only.rank == 0:
@@ -98,7 +100,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         _print_summary(metrics, output_dir)
+        channel.print_summary()
+    if channel.stop_request is not None:
+        raise StoppedByCheck(channel.stop_request)
     return metrics
+
+
+class StoppedByCheck(Exception):
+    """A check with ``on_error=stop`` ended the run (after the final checkpoint was saved)."""
+
+    exit_code = 3
+
+    def __init__(self, finding: Any) -> None:
+        super().__init__(f"stopped by {finding.check}/{finding.code} at step {finding.step}: {finding.message}")
 
 
 def _write_config(cfg: DictConfig, output_dir: Path, trainer: L.Trainer) -> None:
@@ -125,7 +139,8 @@ def _collect_metrics(trainer: L.Trainer, module: Any, started: float, resumed_fr
         "time_s": round(time.time() - started, 2),
         "resumed_from": resumed_from,
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
-        "status": "interrupted" if trainer.interrupted else "completed",
+        "status": "interrupted" if trainer.interrupted else
+        ("stopped_by_check" if get_channel().stop_request is not None else "completed"),
     })
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 

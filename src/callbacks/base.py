@@ -1,0 +1,70 @@
+"""`DebugCallback`: what every debug check shares — reporting and the error policy.
+
+Rank rules (a collective on some ranks only is a hang):
+- `report` is local: any rank may call it, for its own findings.
+- `any_rank` is a collective: call it on every rank at the same point, to agree on a
+  decision (e.g. "some rank saw a NaN") before acting on it.
+- The error policy acts where the finding is reported, so a check whose errors can stop or
+  skip must agree with `any_rank` first and then report on every rank (rank=None).
+
+Error policy (``on_error``), for findings of severity ``error``:
+- ``warn`` (default): report and carry on;
+- ``skip``: ask the LightningModule to skip this optimizer step (``skip_optimizer_step``),
+  for checks that run before the update;
+- ``stop``: the run saves a checkpoint and stops, exiting non-zero (code 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from src.errors import ConfigError
+from src.findings import Finding, get_channel
+
+POLICIES = ("warn", "skip", "stop")
+
+
+class DebugCallback(Callback):
+    #: the callback's config name (``callbacks.<name>``), also the ``check`` of its findings
+    name: str = "debug"
+
+    def __init__(self, on_error: str = "warn") -> None:
+        if on_error not in POLICIES:
+            raise ConfigError(f"callbacks.{self.name}.on_error={on_error!r} is invalid; valid: {', '.join(POLICIES)}")
+        self.on_error = on_error
+
+    def report(self, trainer: Any, severity: str, code: str, message: str, advice: str = "",
+               details: dict | None = None, rank: int | None | str = "self", step: int | None | str = "self") -> Finding:
+        finding = Finding(
+            check=self.name, severity=severity, code=code, message=message, advice=advice,
+            step=trainer.global_step if step == "self" and trainer is not None else (None if step == "self" else step),
+            rank=trainer.global_rank if rank == "self" and trainer is not None else (None if rank == "self" else rank),
+            details=details or {},
+        )
+        get_channel().report(finding)
+        if severity == "error":
+            self._apply_policy(trainer, finding)
+        return finding
+
+    def _apply_policy(self, trainer: Any, finding: Finding) -> None:
+        if trainer is None or self.on_error == "warn":
+            return
+        if self.on_error == "skip":
+            setattr(trainer.lightning_module, "skip_optimizer_step", True)
+        elif self.on_error == "stop":
+            channel = get_channel()
+            if channel.stop_request is None:
+                channel.stop_request = finding
+            trainer.should_stop = True
+
+    @staticmethod
+    def any_rank(trainer: Any, flag: bool) -> bool:
+        """True if ``flag`` is True on any rank. COLLECTIVE: every rank must call it."""
+        if trainer is None or trainer.world_size <= 1:
+            return bool(flag)
+        device = trainer.strategy.root_device
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return bool(trainer.strategy.reduce(t, reduce_op="max").item() > 0)

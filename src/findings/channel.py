@@ -1,0 +1,145 @@
+"""Findings: what every check reports, in one place, readable by people and programs.
+
+A finding is (a) a log line (logger ``findings.<check>``, level = severity, so it lands in
+the console and the per-rank log file) and (b) one JSON object appended to
+``<run_dir>/findings.jsonl``. Every rank appends to the same file: each record is written
+with a single ``write`` on an ``O_APPEND`` descriptor, so lines from different ranks never
+interleave. Fields: ``time, step, rank (null = all ranks), check, severity, code, message,
+advice, details``. ``message`` names the culprit (parameter, layer, rank, batch, step);
+``advice`` says what to do. Secrets never reach the file (details are redacted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from src.trainer.secrets import redact
+
+SEVERITIES = ("info", "warning", "error")
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+FINDINGS_FILE = "findings.jsonl"
+
+
+@dataclass
+class Finding:
+    check: str
+    severity: str
+    code: str
+    message: str
+    advice: str = ""
+    step: int | None = None
+    rank: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+        if not self.code or not self.check:
+            raise ValueError("a finding needs a check name and a code")
+
+    def line(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "setup"
+        who = "all ranks" if self.rank is None else f"rank {self.rank}"
+        text = f"[{self.check}/{self.code}] {where}, {who}: {self.message}"
+        return f"{text} -> {self.advice}" if self.advice else text
+
+    def to_json(self) -> str:
+        record = asdict(self)
+        record["details"] = redact(_jsonable(record["details"]))
+        return json.dumps(record, allow_nan=False, default=str)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)  # "nan", "inf": JSON has no literal for them
+    if hasattr(obj, "item") and getattr(obj, "numel", lambda: 2)() == 1:
+        return _jsonable(obj.item())
+    return obj
+
+
+class FindingsChannel:
+    """Process-wide sink; `configure_channel` points it at the run dir."""
+
+    def __init__(self, run_dir: str | Path | None = None) -> None:
+        self.path = Path(run_dir) / FINDINGS_FILE if run_dir is not None else None
+        self.local: list[Finding] = []  # what this process reported
+        self.stop_request: Finding | None = None  # set by a check whose policy is "stop"
+
+    def report(self, finding: Finding) -> Finding:
+        logging.getLogger(f"findings.{finding.check}").log(_LEVELS[finding.severity], finding.line())
+        self.local.append(finding)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            data = (finding.to_json() + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        return finding
+
+    def read_all(self) -> list[dict[str, Any]]:
+        """Every rank's findings, from the file (falls back to this process's)."""
+        if self.path is None or not self.path.is_file():
+            return [json.loads(f.to_json()) for f in self.local]
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a rank killed mid-write leaves at most one broken last line
+        return out
+
+    def summary_table(self):
+        """A rich Table of all findings, errors first; None when there are none."""
+        from rich.table import Table
+
+        records = self.read_all()
+        if not records:
+            return None
+        order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
+        records.sort(key=lambda r: (order.get(r["severity"], 9), r.get("step") or 0))
+        table = Table(title=f"findings ({len(records)})", show_lines=False)
+        for col in ("severity", "check/code", "step", "rank", "message", "advice"):
+            table.add_column(col, overflow="fold")
+        style = {"error": "bold red", "warning": "yellow", "info": "dim"}
+        for r in records:
+            table.add_row(r["severity"], f"{r['check']}/{r['code']}", str(r.get("step", "")),
+                          "all" if r.get("rank") is None else str(r["rank"]), r["message"], r.get("advice", ""),
+                          style=style.get(r["severity"]))
+        return table
+
+    def print_summary(self) -> None:
+        from rich.console import Console
+
+        table = self.summary_table()
+        console = Console(stderr=True)
+        if table is None:
+            console.print("findings: none")
+        else:
+            console.print(table)
+
+
+_channel = FindingsChannel()
+
+
+def get_channel() -> FindingsChannel:
+    return _channel
+
+
+def configure_channel(run_dir: str | Path | None) -> FindingsChannel:
+    global _channel
+    _channel = FindingsChannel(run_dir)
+    return _channel
