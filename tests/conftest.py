@@ -73,3 +73,31 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
+    """Compose and train in this process (no subprocess start-up): for 1-process runs only."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from src.trainer.entry import train
+
+    os.environ.setdefault("PROJECT_ROOT", str(REPO))
+    os.environ["DSDEBUG_CACHE_DIR"] = str(cache)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+        cfg.hydra.runtime.cwd = str(REPO)
+        cfg.hydra.job.name = "train"
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # a task function never sees the hydra node
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return train(cfg)
+    finally:
+        GlobalHydra.instance().clear()
