@@ -87,6 +87,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt = build(cfg)
     if rank_zero_only.rank == 0:
+        _print_header(cfg, output_dir)
         _write_config(cfg, output_dir, trainer)
     ckpt_path = resolve_ckpt_path(cfg, output_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -113,6 +114,23 @@ class StoppedByCheck(Exception):
 
     def __init__(self, finding: Any) -> None:
         super().__init__(f"stopped by {finding.check}/{finding.code} at step {finding.step}: {finding.message}")
+
+
+def _print_header(cfg: DictConfig, output_dir: Path) -> None:
+    """What this run is, in a few lines: group choices, then every debug knob (torchtitan style)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices
+        picked = " ".join(f"{g}={choices[g]}" for g in ("model", "data", "strategy", "trainer", "logger", "debug")
+                          if choices.get(g) is not None)
+    except ValueError:  # not under Hydra (tests calling train() directly)
+        picked = ""
+    log.info("run: %s -> %s", picked, output_dir)
+    for name, conf in (cfg.get("callbacks") or {}).items():
+        if isinstance(conf, DictConfig) and str(conf.get("_target_", "")).startswith("src.callbacks."):
+            knobs = {k: v for k, v in OmegaConf.to_container(conf, resolve=True).items() if k != "_target_"}
+            log.info("debug: %s %s", name, knobs)
 
 
 def _write_config(cfg: DictConfig, output_dir: Path, trainer: L.Trainer) -> None:
