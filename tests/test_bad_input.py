@@ -17,6 +17,8 @@ CASES = {
                            ["data.source.paths", "/nonexistent/*.txt"]),
     "missing_checkpoint": (["ckpt_path=/nonexistent/step_000010.ckpt"], ["ckpt_path", "/nonexistent/step_000010.ckpt"]),
     "resume_typo": (["resume=lastest"], ["resume", "latest"]),
+    "callback_typo_add": (["+callbacks=grad_monitr"], ["callbacks/grad_monitr", "grad_monitor"]),
+    "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr"]),
     "missing_ds_config": (["strategy=deepspeed_json", "strategy.config=/nonexistent/ds.json"],
                           ["strategy.config", "/nonexistent/ds.json"]),
 }

@@ -1,0 +1,56 @@
+"""debug=none|light|full and the per-technique presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from tests.conftest import CONF, FAST, REPO, assert_ok, metrics, only_run_dir, run_train
+
+PRESETS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
+SEVEN = {"reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify", "log_sync"}
+
+
+def _debug_callbacks(preset: str) -> set[str]:
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"debug={preset}"])
+    GlobalHydra.instance().clear()
+    return {name for name, c in cfg.callbacks.items() if str(c.get("_target_", "")).startswith("src.callbacks.")}
+
+
+def test_debug_none_adds_no_debug_callback(monkeypatch):
+    monkeypatch.setenv("PROJECT_ROOT", str(REPO))
+    assert _debug_callbacks("none") == set()
+
+
+def test_presets_select_the_right_checks(monkeypatch):
+    monkeypatch.setenv("PROJECT_ROOT", str(REPO))
+    assert _debug_callbacks("full") == SEVEN
+    assert _debug_callbacks("light") == {"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync"}
+    singles = {"repro": "reproducibility", "comm": "comm_debug", "grads": "grad_monitor", "data": "data_inspector",
+               "profile": "profiler", "freeze": "freeze_verify", "logs": "log_sync"}
+    for preset, callback in singles.items():
+        assert callback in _debug_callbacks(preset), preset
+    assert set(PRESETS) == {"none", "light", "full", *singles}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_debug_full_on_a_healthy_two_process_run_is_silent(strategy, tmp_path, shared_cache):
+    args = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
+        "debug=full", f"strategy={strategy}", "trainer=ddp_sim", "trainer.max_steps=8", "trainer.val_check_interval=4",
+        "callbacks.profiler.wait=1", "callbacks.grad_monitor.every_n_steps=2", "export.hf=false"]
+    proc = run_train(args, tmp_path, shared_cache, timeout=600)
+    assert_ok(proc)
+    run_dir = only_run_dir(tmp_path)
+    assert metrics(run_dir)["global_step"] == 8
+    records = [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()]
+    assert {r["check"] for r in records} >= {"reproducibility", "comm_debug", "profiler"}  # they did report (info)
+    bad = [r for r in records if r["severity"] != "info"]
+    assert bad == [], json.dumps(bad, indent=1)[:3000]
+    assert {r["rank"] for r in records} >= {0}
+    assert "findings" in proc.stderr  # the summary table at the end of fit
