@@ -12,6 +12,20 @@ from tests.conftest import CONF, FAST, train_in_process
 CALLBACKS = sorted(p.stem for p in (CONF / "callbacks").glob("*.yaml") if p.stem != "default")
 
 
+@pytest.fixture(autouse=True)
+def _restore_env():
+    """Callbacks like comm_debug/reproducibility set process env vars; keep tests independent."""
+    import os
+
+    import torch
+
+    saved, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    torch.use_deterministic_algorithms(deterministic)
+
+
 @pytest.mark.parametrize("name", CALLBACKS)
 def test_callback_config_runs_a_short_fit(name, tmp_path, shared_cache):
     overrides = [a for a in FAST if not a.startswith("trainer.max_steps")] + [

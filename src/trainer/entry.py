@@ -63,6 +63,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     _check_vocab(module, datamodule)
     final_ckpt = FinalCheckpoint(Path(cfg.paths.output_dir) / "checkpoints")
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + [final_ckpt]
+    from src.callbacks.log_sync import fill_wandb_sweep_identity
+
+    fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = hydra.utils.instantiate(cfg.strategy)
     trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)

@@ -40,6 +40,9 @@ def run_job_in_subprocess(cfg: DictConfig) -> float:
     command = [sys.executable, str(script), *hc.overrides.task, f'hydra.run.dir="{job_dir}"', "hydra.mode=RUN"]
     log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    # W&B groups the jobs of one sweep (log_sync.fill_wandb_sweep_identity); Optuna writes no multirun.yaml
+    env["DSDEBUG_SWEEP_DIR"] = str(job_dir.parent)
+    env["DSDEBUG_JOB_NUM"] = str(hc.job.num)
     proc = subprocess.run(command, cwd=get_original_cwd(), env=env)
     metrics = _read_json(job_dir / METRICS)
     metric_name = cfg.get("optimized_metric")

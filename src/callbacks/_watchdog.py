@@ -1,0 +1,308 @@
+"""Hang watchdog for `comm_debug`: a per-rank thread that notices a stalled job, dumps every
+rank's stacks, names the rank(s) that are behind and ends the job instead of letting it sit
+in a blocked collective until the process-group timeout (30 min by default).
+
+Side channel: a blocked collective blocks the training thread, not this one, so the ranks
+talk through small files in ``<run_dir>/comm_debug/`` (one heartbeat per rank, a flag file).
+That needs the run dir on a filesystem every rank sees (one node, or shared storage across
+nodes); without it each rank still detects its own stall and dumps its own stacks.
+
+Every rank runs one watchdog thread; it only reads state that the training thread updates
+(step, progress time) and the process-wide `CommTracker` (collectives entered / in flight).
+When a rank stalls for ``timeout_s`` (or sees another rank's flag) it: claims or sees the
+flag, writes a final heartbeat with where its training thread is, dumps all thread stacks
+to ``<run_dir>/hang_rank<r>.txt``; the first rank to claim the flag waits for the others'
+heartbeats, analyses them (`analyze`) and reports one finding; the launching rank of each
+node reaps its child processes; every rank exits with `HANG_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+HANG_EXIT_CODE = 124  # the `timeout(1)` convention: "gave up waiting"
+_COMM_PATHS = ("torch/distributed/", "deepspeed/comm/", "torch/nn/parallel/distributed.py")
+
+
+def analyze(beats: dict[int, dict], world_size: int, now: float, stale_s: float) -> dict[str, list[int]]:
+    """Which ranks are behind. A rank is *behind* if it completed fewer steps or entered
+    fewer collectives than the most advanced rank; with equal counts, a rank that is not in
+    a collective while others wait in one is behind (it never arrived). *Unresponsive*:
+    no heartbeat, or a stale one (its watchdog thread cannot run: dead, or the GIL is held)."""
+    unresponsive = [r for r in range(world_size)
+                    if r not in beats or (not beats[r].get("fired") and now - beats[r].get("now", 0) > stale_s)]
+    alive = {r: b for r, b in beats.items() if r not in unresponsive}
+    behind: list[int] = []
+    if alive:
+        def key(b: dict) -> tuple[int, int]:
+            return int(b.get("step", -1)), int(b.get("seq") or 0)
+        top = max(key(b) for b in alive.values())
+        behind = [r for r, b in alive.items() if key(b) < top]
+        if not behind:
+            waiting = [r for r, b in alive.items() if is_waiting(b)]
+            if waiting and len(waiting) < len(alive):
+                behind = [r for r in alive if r not in waiting]
+    return {"behind": sorted(behind), "unresponsive": unresponsive,
+            "culprits": sorted(set(behind) | set(unresponsive)),
+            "waiting": sorted(r for r in alive if r not in behind)}
+
+
+def is_waiting(beat: dict) -> bool:
+    """In a collective: one is in flight, or the training thread's stack is in comm code."""
+    return bool(beat.get("inflight")) or bool((beat.get("where") or {}).get("in_comm"))
+
+
+def describe_hang(analysis: dict, beats: dict[int, dict], timeout_s: float) -> str:
+    """One message naming who is behind and where every rank is."""
+    def at(r: int, key: str = "user") -> str:
+        where = (beats.get(r) or {}).get("where") or {}
+        text = where.get(key) or where.get("innermost") or "unknown (no heartbeat)"
+        return text.split("site-packages/")[-1]
+
+    parts = [f"no training progress for {analysis['stalled_s']:.0f} s (hang_timeout_s={timeout_s:g})"]
+    parts += [f"rank {r} is behind (step {beats[r].get('step')}, {beats[r].get('seq')} collectives entered), "
+              f"stuck at {at(r)}" for r in analysis["behind"]]
+    parts += [f"rank {r} is unresponsive (no fresh heartbeat: dead, or its Python is blocked)"
+              for r in analysis["unresponsive"]]
+    for r in analysis["waiting"]:
+        inflight = (beats[r].get("inflight") or [{}])[0]
+        what = f"{inflight.get('name')} (collective #{inflight.get('seq')})" if inflight else at(r, "innermost")
+        parts.append(f"rank {r} waits in {what}")
+    if not analysis["culprits"]:
+        parts.append("no rank is behind: every rank is blocked at the same point (a collective that never "
+                     "completes: network/NCCL, or mismatched collectives)")
+    return "; ".join(parts)
+
+
+def _frame_text(fs: traceback.FrameSummary) -> str:
+    return f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
+
+
+def where_is(thread: threading.Thread) -> dict[str, Any]:
+    """A thread's innermost frame, innermost frame of project code, and whether it's in comm code."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return {}
+    stack = traceback.extract_stack(frame)
+    in_tracker = bool(stack) and stack[-1].filename.endswith("comm_debug.py") and stack[-1].name == "timed"
+    if in_tracker and len(stack) > 1:
+        stack = stack[:-1]  # CommTracker's wrapper: show the caller of the collective
+    user = [fs for fs in stack if "site-packages" not in fs.filename and "/lib/python" not in fs.filename]
+    return {
+        "innermost": _frame_text(stack[-1]),
+        "user": _frame_text(user[-1]) if user else None,
+        "in_comm": in_tracker or any(p in fs.filename for fs in stack[-4:] for p in _COMM_PATHS),
+    }
+
+
+class HangWatchdog:
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, poll_s: float,
+                 tracker: Any, on_hang: Callable[[dict, dict[int, dict]], None], reap_children: bool) -> None:
+        self.run_dir, self.dir = Path(run_dir), Path(run_dir) / "comm_debug"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s, self.poll_s = float(timeout_s), float(poll_s)
+        self.grace_s = max(5.0, 3 * self.poll_s)
+        self.tracker, self.on_hang, self.reap_children = tracker, on_hang, reap_children
+        self.flag, self.reported = self.dir / "hang.flag", self.dir / "hang.reported"
+        self.step, self.progress_time = -1, time.time()
+        self.fired = False
+        self._stop = threading.Event()
+        self._training_thread = threading.current_thread()  # started from a training hook
+        self._thread = threading.Thread(target=self._loop, name=f"comm_debug-watchdog-rank{rank}", daemon=True)
+
+    # ---- training thread ------------------------------------------------------------
+    def start(self) -> "HangWatchdog":
+        self.progress_time = time.time()
+        self._thread.start()
+        return self
+
+    def progress(self, step: int) -> None:  # two attribute writes: the only per-step cost
+        self.step, self.progress_time = step, time.time()
+
+    def stop(self) -> None:
+        if not self.fired:
+            self._stop.set()
+            self._thread.join(timeout=2 * self.poll_s)
+
+    def wait_for_exit(self) -> None:
+        """After firing the watchdog ends the process; the training thread must not race it
+        (e.g. an exception from a collective whose peer already exited)."""
+        self._thread.join()
+
+    # ---- watchdog thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(self.poll_s):
+                self._write_beat()
+                if time.time() - self.progress_time > self.timeout_s or self.flag.exists():
+                    self._fire()
+                    return
+        except Exception:  # noqa: BLE001 - a broken watchdog must never take training down
+            log.exception("comm_debug watchdog failed on rank %d; hang detection is off", self.rank)
+
+    def _beat_path(self, rank: int) -> Path:
+        return self.dir / f"heartbeat_rank{rank}.json"
+
+    def _write_beat(self, where: dict | None = None) -> None:
+        tr, now = self.tracker, time.time()
+        inflight = [] if tr is None else [
+            {"name": name, "seq": seq, "for_s": round(time.perf_counter() - start, 3)}
+            for name, start, seq in sorted(list(tr.inflight.values()), key=lambda v: v[2])]
+        beat = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "step": self.step,
+                "progress_time": self.progress_time, "now": now, "fired": where is not None,
+                "seq": tr.seq if tr else None, "last": tr.last if tr else None, "inflight": inflight,
+                "where": where}
+        tmp = self._beat_path(self.rank).with_suffix(".tmp")
+        tmp.write_text(json.dumps(beat, default=str))
+        os.replace(tmp, self._beat_path(self.rank))
+
+    def read_beats(self) -> dict[int, dict]:
+        beats = {}
+        for r in range(self.world_size):
+            try:
+                beats[r] = json.loads(self._beat_path(r).read_text())
+            except (OSError, ValueError):
+                continue
+        return beats
+
+    def _fire(self) -> None:
+        self.fired = True
+        try:
+            self._report(time.time() - self.progress_time)
+        finally:  # whatever failed above, the job must not stay hung
+            self._end()
+
+    def _report(self, stalled_s: float) -> None:
+        try:
+            fd = os.open(self.flag, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, f"rank {self.rank} at {time.time()}\n".encode())
+            os.close(fd)
+            reporter = True
+        except FileExistsError:
+            reporter = False
+        where = where_is(self._training_thread)
+        self._write_beat(where)
+        self._dump(stalled_s, where)
+        if reporter:
+            def everyone_fired() -> bool:
+                beats = self.read_beats()
+                return len(beats) == self.world_size and all(b.get("fired") for b in beats.values())
+
+            self._wait(everyone_fired)
+            beats = self.read_beats()
+            analysis = analyze(beats, self.world_size, time.time(), stale_s=3 * self.poll_s)
+            analysis["stalled_s"], analysis["detected_by"] = round(stalled_s, 1), self.rank
+            try:
+                self.on_hang(analysis, beats)
+            finally:
+                self.reported.touch()
+        else:
+            log.error("comm_debug: rank %d joined the hang report (stacks in hang_rank%d.txt)", self.rank, self.rank)
+            self._wait(self.reported.exists, factor=2)
+
+    def _wait(self, done: Callable[[], bool], factor: float = 1.0) -> None:
+        deadline = time.time() + factor * self.grace_s
+        while time.time() < deadline and not done():
+            time.sleep(0.2)
+
+    def _dump(self, stalled_s: float, where: dict) -> None:
+        tr = self.tracker
+        path = self.run_dir / f"hang_rank{self.rank}.txt"
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [f"comm_debug hang report: rank {self.rank} of {self.world_size}, pid {os.getpid()}, "
+                 f"host {socket.gethostname()}",
+                 f"no training progress for {stalled_s:.1f} s (hang_timeout_s={self.timeout_s:g}); "
+                 f"global_step at the last progress: {self.step}"]
+        if tr is not None:
+            last = tr.last and f"{tr.last[0]} (#{tr.last[1]}), {time.time() - tr.last[2]:.1f} s ago"
+            lines.append(f"collectives entered: {tr.seq}; last entered: {last or 'none'}")
+            inflight = sorted(list(tr.inflight.values()), key=lambda v: v[2])
+            lines += [f"in flight: {n} (#{s}) for {time.perf_counter() - t0:.1f} s" for n, t0, s in inflight] or \
+                ["in flight: none"]
+        lines.append(f"training thread is at: {where.get('innermost')}")
+        lines.append("\n--- Python stacks, all threads (training thread first) ---")
+        frames = sys._current_frames()
+        order = sorted(frames, key=lambda i: i != self._training_thread.ident)
+        for ident in order:
+            lines.append(f"\nThread {names.get(ident, '?')} ({ident}):")
+            lines.append("".join(traceback.format_stack(frames[ident])).rstrip())
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n\n--- faulthandler (all threads, innermost first) ---\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        _dump_nccl_flight_recorder(self.run_dir, self.rank)
+
+    def _end(self) -> None:
+        try:
+            _finish_wandb(HANG_EXIT_CODE)  # before reaping: the W&B service is a child process
+            if self.reap_children:
+                _reap_children(self.grace_s)
+        except Exception:  # noqa: BLE001
+            log.exception("comm_debug: cleanup before exit failed")
+        for handler in logging.getLogger().handlers:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(HANG_EXIT_CODE)
+
+
+def _dump_nccl_flight_recorder(run_dir: Path, rank: int) -> None:
+    """On CUDA builds: write the NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) too."""
+    try:
+        import torch
+
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        if dump is not None and torch.cuda.is_available():
+            (run_dir / f"nccl_trace_rank{rank}.pkl").write_bytes(dump())
+    except Exception:  # noqa: BLE001 - best effort
+        log.debug("no NCCL flight recorder dump", exc_info=True)
+
+
+def _reap_children(grace_s: float) -> None:
+    """The launching rank's children (other ranks, data workers, W&B service): let them
+    exit on their own watchdogs, then kill what is left, so no orphan keeps running."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    children = psutil.Process().children(recursive=True)
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _finish_wandb(exit_code: int) -> None:
+    """Close a W&B run as failed (os._exit skips its atexit hook); never block the exit."""
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None:
+        return
+
+    def finish() -> None:
+        try:
+            run.summary.update({"status": "hang"})
+            run.finish(exit_code=exit_code)
+        except Exception:  # noqa: BLE001
+            log.warning("comm_debug: could not finish the W&B run", exc_info=True)
+
+    t = threading.Thread(target=finish, daemon=True)
+    t.start()
+    t.join(timeout=15)

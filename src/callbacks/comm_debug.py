@@ -1,0 +1,451 @@
+"""`comm_debug`: communication debugging — NCCL/torch debug env, collective timeout, comm
+time per step, and a hang watchdog that names the rank that is behind.
+
+Also home of `CommTracker` (times every collective of the process) and `StepClock` (per-rank
+step windows), which `log_sync` shares to tell a straggler from the ranks waiting for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from src.callbacks.base import DebugCallback
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# torch.distributed entry points that DeepSpeed's comm backend, Lightning and user code call
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "barrier",
+                "monitored_barrier", "all_to_all", "all_to_all_single", "all_gather_object",
+                "broadcast_object_list", "gather", "scatter", "gather_object", "scatter_object_list",
+                "_broadcast_coalesced")  # DDP's buffer/parameter broadcast
+
+
+class CommTracker:
+    """Process-wide record of collectives: how many were entered (``seq``), which are in
+    flight, and when each finished, so a window's comm time is the union of their spans.
+
+    Wraps the ``torch.distributed`` collectives (module attributes, which DeepSpeed's
+    ``deepspeed.comm`` backend, Lightning's reduce/gather and user code call) and DeepSpeed's
+    cached all-gather/reduce-scatter functions; DDP's C++ reducer is reached through a comm
+    hook (`register_ddp_hook`). An async op counts until its future completes. Shared by
+    reference count (`acquire`/`release`); the last release restores the originals."""
+
+    _instance: CommTracker | None = None
+
+    @classmethod
+    def acquire(cls) -> CommTracker:
+        if cls._instance is None:
+            cls._instance = cls()
+            cls._instance._install()
+        cls._instance._users += 1
+        return cls._instance
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0 and CommTracker._instance is self:
+            self._uninstall()
+            CommTracker._instance = None
+
+    def __init__(self) -> None:
+        self._users = 0
+        self.seq = 0  # outermost collectives entered by this process
+        self.last: tuple[str, int, float] | None = None  # (name, seq, wall time) of the last entered
+        self.inflight: dict[int, tuple[str, float, int]] = {}  # token -> (name, perf start, seq)
+        self._done: deque[tuple[float, float]] = deque(maxlen=20_000)  # (start, end), completion order
+        self._lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._local = threading.local()
+        self._originals: dict[str, Any] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+        self.ddp_models: set[int] = set()
+
+    def enter(self, name: str) -> int:
+        token = next(self._tokens)
+        self.seq += 1
+        self.inflight[token] = (name, time.perf_counter(), self.seq)
+        self.last = (name, self.seq, time.time())
+        return token
+
+    def exit(self, token: int) -> None:  # may run on a backend thread (future callbacks)
+        entry = self.inflight.pop(token, None)
+        if entry is not None:
+            with self._lock:
+                self._done.append((entry[1], time.perf_counter()))
+
+    def busy_s(self, lo: float, hi: float) -> float:
+        """Seconds within [lo, hi] (perf_counter) when at least one collective was running."""
+        spans = [(start, hi) for _, start, _ in list(self.inflight.values())]
+        with self._lock:
+            for start, end in reversed(self._done):
+                if end < lo:
+                    break
+                spans.append((start, end))
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in sorted((max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi):
+            if cur_e is None or s > cur_e:
+                total += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+    def original(self, name: str) -> Any:
+        import torch.distributed as dist
+
+        return self._originals.get(name, getattr(dist, name))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        tracker = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            local = tracker._local
+            if getattr(local, "depth", 0):  # nested in a tracked collective (all_gather_object -> all_gather)
+                return fn(*args, **kwargs)
+            token = tracker.enter(name)
+            local.depth = 1
+            try:
+                work = fn(*args, **kwargs)
+            except BaseException:
+                tracker.exit(token)
+                raise
+            finally:
+                local.depth = 0
+            if work is not None and hasattr(work, "get_future"):  # async_op=True: done when the future is
+                try:
+                    work.get_future().add_done_callback(lambda _f: tracker.exit(token))
+                    return work
+                except Exception:  # noqa: BLE001 - a backend without futures: count the launch only
+                    pass
+            tracker.exit(token)
+            return work
+
+        return timed
+
+    def _install(self) -> None:
+        import sys
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        wrapped = {}
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._originals[name], wrapped[name] = fn, self._wrap(name, fn)
+                for owner in (dist, c10d):
+                    if getattr(owner, name, None) is fn:
+                        self._patched.append((owner, name, fn))
+                        setattr(owner, name, wrapped[name])
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        cdb = getattr(ds_comm, "cdb", None)
+        for attr in ("all_gather_function", "reduce_scatter_function"):  # cached at DeepSpeed's init
+            fn = getattr(cdb, attr, None)
+            name = getattr(fn, "__name__", "")
+            if fn is not None and self._originals.get(name) is fn:
+                self._patched.append((cdb, attr, fn))
+                setattr(cdb, attr, wrapped[name])
+
+    def _uninstall(self) -> None:
+        for owner, attr, fn in reversed(self._patched):
+            setattr(owner, attr, fn)
+        self._patched.clear()
+
+
+def _timed_allreduce_hook(state, bucket):  # unannotated: DDP rejects any annotation but its own types
+    """DDP's default allreduce (mean) hook, timed: launch -> the bucket's future completes."""
+    tracker, group = state
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    token = tracker.enter(f"ddp.allreduce(bucket {bucket.index()})")
+    tensor.div_(group.size())
+    fut = tracker.original("all_reduce")(tensor, group=group, async_op=True).get_future()
+
+    def done(f: Any) -> Any:
+        tracker.exit(token)
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def register_ddp_hook(trainer: Any, tracker: CommTracker) -> str | None:
+    """Time DDP's bucket allreduces; None on success or when not DDP, else why not."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(trainer.strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or id(model) in tracker.ddp_models:
+        return None
+    try:
+        model.register_comm_hook(state=(tracker, model.process_group), hook=_timed_allreduce_hook)
+    except RuntimeError as e:  # the user's own comm hook is registered (only one is allowed)
+        return str(e).splitlines()[0]
+    tracker.ddp_models.add(id(model))
+    return None
+
+
+class StepClock:
+    """One rank's step windows: train batch end -> next train batch end (data loading and
+    every hook included), validation excluded. Times are this rank's perf_counter."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self._val: list[tuple[float, float]] = []
+        self._val_start: float | None = None
+
+    def batch_start(self) -> None:
+        if self.start is None:  # first batch: the sanity check before it is not a step
+            self.start, self._val = time.perf_counter(), []
+
+    def val_start(self) -> None:
+        self._val_start = time.perf_counter()
+
+    def val_end(self) -> None:
+        if self._val_start is not None:
+            self._val.append((self._val_start, time.perf_counter()))
+            self._val_start = None
+
+    def batch_end(self, tracker: CommTracker | None) -> tuple[float, float] | None:
+        """(step seconds, seconds in collectives) of the window that just ended."""
+        now, start, vals = time.perf_counter(), self.start, self._val
+        self.start, self._val = now, []
+        if start is None:
+            return None
+        step = now - start - sum(e - s for s, e in vals)
+        comm = 0.0
+        if tracker is not None:
+            comm = tracker.busy_s(start, now) - sum(tracker.busy_s(s, e) for s, e in vals)
+        return step, max(0.0, min(comm, step))
+
+
+def _pg_timeout() -> str:
+    """The default process group's timeout as its backend holds it (what a hang waits for)."""
+    try:
+        import torch.distributed as dist
+
+        group = dist.distributed_c10d._get_default_group()
+        return str(group._get_backend(group._device_types[0]).options._timeout)
+    except Exception:  # noqa: BLE001 - no process group (single process) or another backend
+        return "n/a"
+
+
+def _seconds_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+
+
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+DISTRIBUTED_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
+
+
+class CommDebug(DebugCallback):
+    """Makes communication failures loud and attributable instead of a silent 30-minute hang.
+
+    Catches a rank that never reaches a collective (stuck in data loading, I/O, a
+    rank-conditional code path): after ``hang_timeout_s`` without progress the watchdog dumps
+    every rank's stacks, names the rank that is behind and where it is, and ends the job
+    (exit 124; no rank left behind). Measures the share of each step spent in collectives.
+    Sets, on every rank before the process group exists (child ranks inherit and re-apply
+    them; restored at teardown): ``NCCL_DEBUG`` (+ ``NCCL_DEBUG_SUBSYS``, per-process
+    ``NCCL_DEBUG_FILE`` in the run dir), ``TORCH_DISTRIBUTED_DEBUG``,
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``TORCH_NCCL_BLOCKING_WAIT``, the NCCL flight recorder
+    ``TORCH_FR_BUFFER_SIZE`` + ``TORCH_NCCL_DUMP_ON_TIMEOUT`` + ``TORCH_FR_DUMP_TEMP_FILE``
+    (``<run_dir>/nccl_trace_rank<r>``; before torch 2.7: ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). The process-group timeout (``collective_timeout_s``)
+    is set on the live group at setup (Lightning creates it before any callback hook runs).
+    NCCL settings are inert on gloo; the watchdog and comm timing work on both.
+
+    ``python train.py +callbacks=comm_debug strategy=zero3 trainer=ddp_sim callbacks.comm_debug.hang_timeout_s=120``
+
+    | metric / finding | meaning |
+    |---|---|
+    | ``comm/ms`` | ms this step (rank 0) with a collective running (union of spans; DDP buckets via a comm hook) |
+    | ``comm/share`` | ``comm/ms`` / step time, in [0, 1] |
+    | ``settings`` (info) | the debug env and timeout in effect |
+    | ``comm_summary`` (info) | mean comm share over the run |
+    | ``ddp_hook_unavailable`` (info) | DDP comm time not measured: another comm hook is registered |
+    | ``hang`` (error) | no progress for ``hang_timeout_s``: names the rank(s) behind and where they are; stacks in ``hang_rank<r>.txt``; exit 124 |
+    """
+
+    name = "comm_debug"
+
+    def __init__(self, run_dir: str | None = None, nccl_debug: str | None = "INFO", nccl_debug_subsys: str | None = None,
+                 nccl_debug_file: bool = True, distributed_debug: str | None = "INFO",
+                 async_error_handling: int | None = 1, blocking_wait: bool = False, trace_buffer_size: int = 2000,
+                 dump_on_timeout: bool = True, collective_timeout_s: float | None = 600,
+                 measure_comm: bool = True, hang_timeout_s: float | None = 300, hang_poll_s: float = 2.0,
+                 on_error: str = "warn") -> None:
+        super().__init__(on_error)
+        seconds = "null or seconds >= 0 (0 = off)"
+        for key, value, ok, valid in (
+            ("nccl_debug", nccl_debug, nccl_debug is None or str(nccl_debug).upper() in NCCL_DEBUG_LEVELS,
+             f"null, {', '.join(NCCL_DEBUG_LEVELS)}"),
+            ("distributed_debug", distributed_debug,
+             distributed_debug is None or str(distributed_debug).upper() in DISTRIBUTED_DEBUG_LEVELS,
+             f"null, {', '.join(DISTRIBUTED_DEBUG_LEVELS)}"),
+            ("async_error_handling", async_error_handling, async_error_handling in (None, 0, 1, 2, 3), "null, 0, 1, 2, 3"),
+            ("trace_buffer_size", trace_buffer_size, isinstance(trace_buffer_size, int) and trace_buffer_size >= 0,
+             "an integer >= 0"),
+            ("collective_timeout_s", collective_timeout_s, _seconds_or_none(collective_timeout_s), seconds),
+            ("hang_timeout_s", hang_timeout_s, _seconds_or_none(hang_timeout_s), seconds),
+            ("hang_poll_s", hang_poll_s, isinstance(hang_poll_s, (int, float)) and hang_poll_s > 0, "seconds > 0"),
+        ):
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.run_dir = Path(run_dir) if run_dir else Path.cwd()
+        self.collective_timeout_s = collective_timeout_s or None
+        self.measure_comm = bool(measure_comm)
+        self.hang_timeout_s, self.hang_poll_s = float(hang_timeout_s or 0), float(hang_poll_s)
+        # Every rank, at construction: before the process group (and NCCL) exist, and before
+        # rank 0 launches the children, which inherit os.environ and re-apply it here.
+        self.env = self._apply_env(nccl_debug, nccl_debug_subsys, nccl_debug_file, distributed_debug,
+                                   async_error_handling, blocking_wait, trace_buffer_size, dump_on_timeout)
+        self.tracker: CommTracker | None = None
+        self.clock: StepClock | None = None
+        self.watchdog: Any = None
+        self._shares: list[float] = []
+
+    def _apply_env(self, nccl_debug, subsys, to_file, dist_debug, async_eh, blocking, buffer, dump) -> dict[str, str]:
+        want = {
+            "NCCL_DEBUG": nccl_debug and str(nccl_debug).upper(),
+            "NCCL_DEBUG_SUBSYS": subsys,
+            "NCCL_DEBUG_FILE": str(self.run_dir / "nccl_%h_%p.log") if nccl_debug and to_file else None,
+            "TORCH_DISTRIBUTED_DEBUG": dist_debug and str(dist_debug).upper(),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": None if async_eh is None else str(async_eh),
+            "TORCH_NCCL_BLOCKING_WAIT": "1" if blocking else None,
+            "TORCH_FR_BUFFER_SIZE": str(buffer) if buffer else None,  # was TORCH_NCCL_TRACE_BUFFER_SIZE
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if buffer and dump else None,
+            "TORCH_FR_DUMP_TEMP_FILE": str(self.run_dir / "nccl_trace_rank") if buffer and dump else None,
+        }
+        applied = {k: str(v) for k, v in want.items() if v is not None}
+        self._env_before = {k: os.environ.get(k) for k in applied}  # restored at teardown
+        os.environ.update(applied)
+        if "TORCH_DISTRIBUTED_DEBUG" in applied:
+            import torch.distributed as dist
+
+            dist.set_debug_level_from_env()  # read once at import; re-read so this rank matches the children
+        return applied
+
+    # ---- every rank ------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        import torch.distributed as dist
+
+        if self.collective_timeout_s and dist.is_available() and dist.is_initialized():
+            timeout = timedelta(seconds=float(self.collective_timeout_s))
+            dist.distributed_c10d._set_pg_timeout(timeout)  # the process group exists by now: set it there
+            trainer.strategy._timeout = timeout  # and for groups created later
+        level = dist.get_debug_level().name if dist.is_available() else "n/a"
+        log.info("comm_debug rank %d: %s; torch distributed debug level %s; process-group timeout %s",
+                 trainer.global_rank, " ".join(f"{k}={v}" for k, v in sorted(self.env.items())), level, _pg_timeout())
+        if trainer.is_global_zero:
+            self.report(trainer, "info", "settings", f"communication debug settings for {trainer.world_size} rank(s)",
+                        details={"env": self.env, "collective_timeout_s": self.collective_timeout_s,
+                                 "hang_timeout_s": self.hang_timeout_s or None, "debug_level": level}, rank=None)
+            for stale in ("hang.flag", "hang.reported"):  # rank 0 only; the watchdogs start after the sanity check
+                (Path(trainer.default_root_dir) / "comm_debug" / stale).unlink(missing_ok=True)
+        if self.measure_comm or self.hang_timeout_s:
+            self.tracker, self.clock = CommTracker.acquire(), StepClock()
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.tracker is not None:
+            reason = register_ddp_hook(trainer, self.tracker)
+            if reason and trainer.is_global_zero:
+                self.report(trainer, "info", "ddp_hook_unavailable",
+                            f"DDP bucket allreduce time is not measured: {reason}",
+                            advice="remove the other DDP comm hook to measure comm time and track hangs in it")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.hang_timeout_s:
+            from src.callbacks._watchdog import HangWatchdog
+
+            self.watchdog = HangWatchdog(
+                Path(trainer.default_root_dir), trainer.global_rank, trainer.world_size, self.hang_timeout_s,
+                self.hang_poll_s, self.tracker, lambda analysis, beats: self._report_hang(trainer, analysis, beats),
+                reap_children=trainer.local_rank == 0).start()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.clock is not None:
+            self.clock.batch_start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(trainer.global_step)
+        if self.clock is None:
+            return
+        window = self.clock.batch_end(self.tracker)
+        if window and self.measure_comm and window[0] > 0:
+            step_s, comm_s = window
+            self._shares.append(comm_s / step_s)
+            # no sync_dist: every rank logs its own value, the loggers keep rank 0's
+            pl_module.log_dict({"comm/ms": comm_s * 1e3, "comm/share": comm_s / step_s}, on_step=True, on_epoch=False)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.clock is not None:
+            self.clock.val_start()
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(trainer.global_step)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.clock is not None:
+            self.clock.val_end()
+        if self.watchdog is not None:
+            self.watchdog.progress(trainer.global_step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop_watchdog()
+        if self._shares and trainer.is_global_zero:
+            mean = sum(self._shares) / len(self._shares)
+            self.report(trainer, "info", "comm_summary",
+                        f"rank 0 spent {mean:.0%} of its step time in collectives ({len(self._shares)} steps)",
+                        details={"mean_share": mean, "max_share": max(self._shares)}, rank=None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.watchdog is not None and self.watchdog.fired:
+            self.watchdog.wait_for_exit()  # the watchdog is reporting the hang and ends the process
+        self._stop_watchdog()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop_watchdog()
+        if self.tracker is not None:
+            self.tracker.release()
+            self.tracker = None
+        if stage == "fit":  # the children are gone; leave the process environment as we found it
+            for key, value in self._env_before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    # ---- watchdog thread, on the rank that claimed the hang flag -----------------------
+    def _report_hang(self, trainer: Any, analysis: dict, beats: dict[int, dict]) -> None:
+        from src.callbacks._watchdog import HANG_EXIT_CODE, describe_hang
+
+        culprits, steps = analysis["culprits"], {b.get("step") for b in beats.values()}
+        self.report(
+            trainer, "error", "hang", describe_hang(analysis, beats, self.hang_timeout_s),
+            advice="read hang_rank<r>.txt in the run dir for every thread's stack; fix what keeps the named rank "
+                   "from reaching the collective (rank-conditional code, data/I/O stall); if the step is just slow "
+                   "(e.g. a big checkpoint), raise callbacks.comm_debug.hang_timeout_s",
+            details={**analysis, "heartbeats": beats, "dumps": [f"hang_rank{r}.txt" for r in sorted(beats)],
+                     "exit_code": HANG_EXIT_CODE},
+            rank=culprits[0] if len(culprits) == 1 else None, step=min(steps) if len(steps) == 1 else None)

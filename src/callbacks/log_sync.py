@@ -1,0 +1,357 @@
+"""`log_sync`: every rank's metrics and log lines, gathered to rank 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TIMELINE, MERGED = "timeline.jsonl", "logs_merged.log"
+_STATS = ("step_time", "compute_time", "comm_time", "loss", "mem_mb")
+
+
+class _LineBuffer(logging.Handler):
+    """Keeps this rank's log records (as dicts) until the next gather."""
+
+    def __init__(self, level: int, max_lines: int) -> None:
+        super().__init__(level)
+        self.max_lines, self.records, self.dropped = max_lines, [], 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) >= self.max_lines:
+            self.dropped += 1
+            return
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string must not break logging
+            message = str(record.msg)
+        self.records.append({"time": record.created, "level": record.levelname, "logger": record.name,
+                             "message": message})
+
+    def take(self, rank: int) -> list[dict]:
+        records, self.records = self.records, []
+        if self.dropped:
+            records.append({"time": time.time(), "level": "WARNING", "logger": __name__,
+                            "message": f"log_sync dropped {self.dropped} lines (max_lines_per_sync)"})
+            self.dropped = 0
+        return [dict(rec, rank=rank) for rec in records]
+
+
+class LogSync(DebugCallback):
+    """Cross-rank view of a run: per-rank step time, compute/comm split, loss and memory,
+    gathered every ``every_n_steps`` (an all_gather on every rank) and logged as
+    min/mean/max with the rank that holds the min/max; a straggler finding; all ranks' log
+    lines merged into one timeline on rank 0 (works across nodes: lines travel by
+    collective, not by shared disk). Per-rank log files stay Hydra's (``train.log``,
+    ``rank<N>.log``). With W&B, a failed job's run is finished as failed (exit code 1,
+    ``status``/``exception`` in its summary) instead of being left running.
+
+    Catches: a slow rank (data loading, a throttled or shared device, uneven batches) that
+    every other rank waits for. In synchronous training every rank's *wall* step time is the
+    same (the others wait in collectives), so the straggler is found by *compute* time =
+    step time - time in collectives (`CommTracker`; DDP buckets via a comm hook).
+
+    ``python train.py +callbacks=log_sync trainer=ddp_sim strategy=zero3 logger=many callbacks.log_sync.every_n_steps=5``
+
+    | metric / finding / file | meaning |
+    |---|---|
+    | ``ranks/<stat>_min``, ``_mean``, ``_max`` | over ranks, mean of the steps since the last gather (the first ``warmup_steps`` skipped); stat: ``step_time`` (s, batch end to batch end, validation excluded), ``compute_time`` (s, step minus collectives), ``comm_time`` (s), ``loss`` (local, before any reduction), ``mem_mb`` (RSS on CPU, CUDA max allocated on GPU) |
+    | ``ranks/<stat>_min_rank``, ``_max_rank`` | the rank holding the min / max |
+    | ``straggler`` (warning) | a rank's compute time > ``straggler_factor`` x the median of the others (and by more than ``straggler_min_excess_s``) in ``straggler_patience`` consecutive windows; names the rank, once per rank |
+    | ``wandb_failed_run`` (info) | a W&B run was finished as failed after an exception |
+    | ``timeline.jsonl`` | rank 0: every rank's log lines and metric snapshots, one JSON per line, time-ordered per gather |
+    | ``logs_merged.log`` | rank 0 at the end: the timeline as text, sorted by time, ``[rank r]`` prefix |
+    """
+
+    name = "log_sync"
+
+    def __init__(self, every_n_steps: int = 10, straggler_factor: float = 1.3, straggler_min_excess_s: float = 0.05,
+                 straggler_patience: int = 2, warmup_steps: int = 2, timeline: bool = True, log_level: str = "INFO",
+                 max_lines_per_sync: int = 5000, finish_wandb_on_exception: bool = True, on_error: str = "warn") -> None:
+        super().__init__(on_error)
+        checks = (("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and every_n_steps >= 1, "an integer >= 1"),
+                  ("straggler_factor", straggler_factor, isinstance(straggler_factor, (int, float)) and straggler_factor > 1,
+                   "a number > 1"),
+                  ("straggler_min_excess_s", straggler_min_excess_s,
+                   isinstance(straggler_min_excess_s, (int, float)) and straggler_min_excess_s >= 0, "seconds >= 0"),
+                  ("straggler_patience", straggler_patience, isinstance(straggler_patience, int) and straggler_patience >= 1,
+                   "an integer >= 1"),
+                  ("warmup_steps", warmup_steps, isinstance(warmup_steps, int) and warmup_steps >= 0, "an integer >= 0"),
+                  ("log_level", log_level, str(log_level).upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+                   "DEBUG, INFO, WARNING, ERROR"),
+                  ("max_lines_per_sync", max_lines_per_sync, isinstance(max_lines_per_sync, int) and max_lines_per_sync >= 1,
+                   "an integer >= 1"))
+        for key, value, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.every_n_steps, self.factor, self.min_excess_s = every_n_steps, float(straggler_factor), float(straggler_min_excess_s)
+        self.timeline, self.log_level, self.max_lines = bool(timeline), str(log_level).upper(), max_lines_per_sync
+        self.patience, self.finish_wandb = straggler_patience, bool(finish_wandb_on_exception)
+        self._streak: dict[int, int] = {}  # rank -> consecutive windows as the straggler
+        self.tracker: CommTracker | None = None
+        self.clock: StepClock | None = None
+        self.buffer: _LineBuffer | None = None
+        if self.timeline:  # from construction on (every rank builds its callbacks): setup logs included
+            self.buffer = _LineBuffer(getattr(logging, self.log_level), self.max_lines)
+            logging.getLogger().addHandler(self.buffer)
+        self.offsets: list[float] = [0.0]
+        self.flagged: set[int] = set()
+        self._reset_window()
+        self._last_sync = -1
+        # the first steps are not representative: allocations, lazy init, and DDP's bucket
+        # rebuild in step 2 (a C++ broadcast that no Python hook sees, so waiting looks like compute)
+        self._warmup = warmup_steps
+
+    def _reset_window(self) -> None:
+        self._n, self._step_s, self._comm_s, self._loss, self._first_step = 0, 0.0, 0.0, None, None
+
+    # ---- every rank ------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.clock = StepClock()
+        if trainer.world_size > 1:
+            self.tracker = CommTracker.acquire()
+            self.offsets = self._clock_offsets(trainer)  # COLLECTIVE
+
+    def _clock_offsets(self, trainer: Any) -> list[float]:
+        """COLLECTIVE. Each rank's wall clock minus rank 0's, for ranks on another host (same host: one clock)."""
+        import torch.distributed as dist
+
+        trainer.strategy.barrier("log_sync_clock")
+        stamps: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(stamps, (socket.gethostname(), time.time()))
+        host0, t0 = stamps[0]
+        return [0.0 if host == host0 else t - t0 for host, t in stamps]
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.tracker is not None:
+            register_ddp_hook(trainer, self.tracker)  # DDP's bucket allreduces count as comm time
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.clock is not None:
+            self.clock.batch_start()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.clock is not None:
+            self.clock.val_start()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.clock is not None:
+            self.clock.val_end()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        window = self.clock.batch_end(self.tracker) if self.clock is not None else None
+        if window is not None and self._warmup:
+            self._warmup, window = self._warmup - 1, None
+        if window is not None:
+            self._n += 1
+            self._step_s += window[0]
+            self._comm_s += window[1]
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor):  # summed on its device: no host sync per step
+                self._loss = loss.detach().float() if self._loss is None else self._loss + loss.detach().float()
+            if self._first_step is None:
+                self._first_step = trainer.global_step
+        # global_step and the window's batch count are the same on every rank: all or none gather
+        step = trainer.global_step
+        if self._n and step % self.every_n_steps == 0 and step != self._last_sync:
+            self._last_sync = step
+            self._sync(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # COLLECTIVE: every rank reaches on_train_end with the same window count and last sync
+        if self._n and trainer.global_step != self._last_sync:
+            self._sync(trainer)
+        elif self.timeline:
+            self._gather_lines(trainer, [])  # the lines logged since the last gather
+        if self.timeline and trainer.is_global_zero:
+            self._write_merged(Path(trainer.default_root_dir))
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # No collectives here: the other ranks may be anywhere (or dead).
+        run_dir = Path(trainer.default_root_dir)
+        if self.buffer is not None:  # best effort: straight to the file (shared run dir)
+            self._append(run_dir, self.buffer.take(trainer.global_rank))
+            if trainer.is_global_zero:
+                self._write_merged(run_dir)
+        if self.finish_wandb and trainer.is_global_zero:
+            self._finish_wandb(trainer, exception)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.buffer is not None:
+            logging.getLogger().removeHandler(self.buffer)
+            self.buffer = None
+        if self.tracker is not None:
+            self.tracker.release()
+            self.tracker = None
+
+    # ---- the gather (COLLECTIVE: every rank, same step) -------------------------------
+    def _sync(self, trainer: Any) -> None:
+        n = max(self._n, 1)
+        loss = float(self._loss.item()) / n if self._loss is not None else float("nan")
+        local = torch.tensor([self._step_s / n, (self._step_s - self._comm_s) / n, self._comm_s / n, loss,
+                              _memory_mb(trainer)], dtype=torch.float64, device=trainer.strategy.root_device)
+        first = self._first_step if self._first_step is not None else trainer.global_step
+        self._reset_window()
+        rows = trainer.strategy.all_gather(local).reshape(-1, len(_STATS)).cpu().tolist()  # COLLECTIVE
+        metrics: dict[str, float] = {}
+        for i, stat in enumerate(_STATS):
+            values = [row[i] for row in rows]
+            lo, hi = min(range(len(values)), key=values.__getitem__), max(range(len(values)), key=values.__getitem__)
+            metrics.update({f"ranks/{stat}_min": values[lo], f"ranks/{stat}_min_rank": lo,
+                            f"ranks/{stat}_mean": sum(values) / len(values),
+                            f"ranks/{stat}_max": values[hi], f"ranks/{stat}_max_rank": hi})
+        for logger in trainer.loggers:  # loggers write on rank 0 only
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self._check_straggler(trainer, rows, first)
+        if self.timeline:
+            self._gather_lines(trainer, rows)  # COLLECTIVE
+
+    def _check_straggler(self, trainer: Any, rows: list[list[float]], first: int) -> None:
+        if len(rows) < 2:
+            return
+        compute = [row[1] for row in rows]
+        slow = max(range(len(compute)), key=compute.__getitem__)
+        median = statistics.median(compute[:slow] + compute[slow + 1:])
+        if compute[slow] <= self.factor * median or compute[slow] - median <= self.min_excess_s:
+            self._streak.clear()
+            return
+        self._streak = {slow: self._streak.get(slow, 0) + 1}  # one noisy window is not a straggler
+        if self._streak[slow] < self.patience or slow in self.flagged or not trainer.is_global_zero:
+            return  # decided identically on every rank; rank 0 reports
+        self.flagged.add(slow)
+        waiting = min(range(len(rows)), key=lambda r: rows[r][1])
+        self.report(
+            trainer, "warning", "straggler",
+            f"rank {slow} is a straggler: {compute[slow]:.3f} s of compute per step vs {median:.3f} s median of the "
+            f"other ranks ({compute[slow] / max(median, 1e-9):.1f}x) in steps {first}-{trainer.global_step}, and so in "
+            f"{self.patience} gathers in a row; the others wait for it in collectives (rank {waiting}: "
+            f"{rows[waiting][2]:.3f} s/step)",
+            advice=f"look at what rank {slow} does outside collectives: data loading (num_workers, slow storage), "
+                   "a throttled or shared device/host, longer sequences or bigger batches on that rank; "
+                   "ranks/compute_time_max_rank shows it over time",
+            details={"per_rank": {r: dict(zip(_STATS, row)) for r, row in enumerate(rows)}, "factor": self.factor},
+            rank=slow)
+
+    def _gather_lines(self, trainer: Any, rows: list[list[float]]) -> None:
+        records = self.buffer.take(trainer.global_rank) if self.buffer is not None else []
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(gathered, records)  # COLLECTIVE
+        else:
+            gathered = [records]
+        if not trainer.is_global_zero:
+            return
+        now = time.time()
+        merged = [dict(rec, time=rec["time"] - self.offsets[rank]) for rank, recs in enumerate(gathered) for rec in recs]
+        merged += [{"time": now, "rank": r, "kind": "metrics", "step": trainer.global_step, **dict(zip(_STATS, row))}
+                   for r, row in enumerate(rows)]
+        self._append(Path(trainer.default_root_dir), sorted(merged, key=lambda rec: rec["time"]))
+
+    # ---- rank 0 / local files ---------------------------------------------------------
+    @staticmethod
+    def _append(run_dir: Path, records: list[dict]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(rec, default=str) + "\n" for rec in records).encode()
+        fd = os.open(run_dir / TIMELINE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)  # one write: ranks appending after a crash don't interleave lines
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _write_merged(run_dir: Path) -> None:
+        path = run_dir / TIMELINE
+        if not path.is_file():
+            return
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        out = []
+        for rec in sorted(records, key=lambda r: r.get("time", 0)):
+            stamp = datetime.fromtimestamp(rec.get("time", 0)).isoformat(sep=" ", timespec="milliseconds")
+            if rec.get("kind") == "metrics":
+                stats = " ".join(f"{k}={rec[k]:.4g}" for k in _STATS if isinstance(rec.get(k), (int, float)))
+                out.append(f"{stamp} [rank {rec['rank']}] METRICS step={rec.get('step')} {stats}")
+            else:
+                message = str(rec.get("message", "")).replace("\n", "\n    ")  # continuation lines indented
+                out.append(f"{stamp} [rank {rec['rank']}] {rec['level']} {rec['logger']}: {message}")
+        (run_dir / MERGED).write_text("\n".join(out) + "\n")
+
+    def _finish_wandb(self, trainer: Any, exception: BaseException) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
+                run = logger.experiment
+                run.summary.update({"status": "failed", "failed_at_step": trainer.global_step,
+                                    "exception": f"{type(exception).__name__}: {exception}"[:1000]})
+                run.finish(exit_code=1)
+                self.report(trainer, "info", "wandb_failed_run", f"W&B run {run.id} finished as failed (exit code 1)",
+                            details={"run_dir": str(getattr(run, "dir", ""))}, rank=None)
+
+
+def _memory_mb(trainer: Any) -> float:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
+
+
+def wandb_sweep_identity(run_dir: str | Path, task_name: str = "train") -> dict[str, str] | None:
+    """For a multirun job: W&B ``group`` = the sweep, ``name`` = sweep + job number, so each
+    job is its own run, grouped by sweep. None outside a multirun. The sweep dir comes from
+    ``DSDEBUG_SWEEP_DIR``/``DSDEBUG_JOB_NUM`` if set, else from Hydra's ``multirun.yaml``
+    next to the job dir (the basic sweeper writes it)."""
+    sweep_dir, job = os.environ.get("DSDEBUG_SWEEP_DIR"), os.environ.get("DSDEBUG_JOB_NUM")
+    run_dir = Path(run_dir)
+    if not sweep_dir and (run_dir.parent / "multirun.yaml").is_file():
+        sweep_dir, job = str(run_dir.parent), run_dir.name
+    if not sweep_dir:
+        return None
+    group = f"{task_name}-{Path(sweep_dir).name}"
+    return {"group": group, "name": f"{group}-{job}"}
+
+
+def fill_wandb_sweep_identity(cfg: Any) -> None:
+    """Set ``logger.wandb.group``/``name`` for a multirun job unless the user set them; call
+    before the loggers are instantiated."""
+    from omegaconf import open_dict
+
+    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
+    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train")))
+    if wandb_cfg is None or identity is None:
+        return
+    with open_dict(wandb_cfg):
+        if not wandb_cfg.get("group"):
+            wandb_cfg.group = identity["group"]
+        if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
+            wandb_cfg.name = identity["name"]

@@ -1,0 +1,100 @@
+"""Planted bugs for comm_debug and log_sync (planted callbacks: ``+callbacks.plant._target_=tests.planted_comm.X``)."""
+
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch import Callback
+
+
+class SleepOnRank(Callback):
+    """Rank ``rank`` sleeps ``seconds`` at the start of step ``step`` (or of every step):
+    a stuck rank (hang) or a slow one (straggler)."""
+
+    def __init__(self, rank: int = 1, step: int = 2, seconds: float = 600.0, every_step: bool = False) -> None:
+        self.rank, self.step, self.seconds, self.every_step = rank, step, seconds, every_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and (self.every_step or trainer.global_step == self.step):
+            time.sleep(self.seconds)
+
+
+class RaiseAtStep(Callback):
+    """A job that crashes at step ``step``."""
+
+    def __init__(self, step: int = 2) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"planted crash at step {self.step}")
+
+
+# ---- shared by tests/test_cb_comm_debug.py and tests/test_cb_log_sync.py -------------------
+# Both callbacks run together in the same 2-process runs (each run costs ~20-40 s).
+
+TWO_PROC = [
+    "trainer=ddp_sim", "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "~callbacks.rich_progress_bar",
+    "data.max_tokens=60000", "logger=csv", "export.hf=false", "export.fp32=false",
+]
+BOTH = ["+callbacks=[comm_debug,log_sync]", "callbacks.log_sync.every_n_steps=2"]
+STRAGGLER = ["+callbacks.plant._target_=tests.planted_comm.SleepOnRank", "+callbacks.plant.rank=1",
+             "+callbacks.plant.every_step=true", "+callbacks.plant.seconds=1.0"]
+# ddp: rank 1 sleeps 1 s every step (a straggler); zero3: healthy
+SHARED_RUNS = {"ddp": ["strategy=ddp", *BOTH, *STRAGGLER], "zero3": ["strategy=zero3", "trainer.max_steps=4",
+                                                                   "trainer.val_check_interval=2", *BOTH]}
+_cache: dict = {}
+
+
+def shared_run(kind: str, tmp_path_factory, cache):
+    """The run dir of a shared 2-process run (``ddp`` with a straggler, healthy ``zero3``), run once."""
+    from tests.conftest import assert_ok, only_run_dir, run_train
+
+    if kind not in _cache:
+        log_dir = tmp_path_factory.mktemp(f"comm_{kind}")
+        proc = run_train(TWO_PROC + SHARED_RUNS[kind], log_dir, cache)
+        assert_ok(proc)
+        _cache[kind] = only_run_dir(log_dir)
+    return _cache[kind]
+
+
+def read_findings(run_dir) -> list[dict]:
+    import json
+
+    path = run_dir / "findings.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def csv_column(run_dir, key: str) -> dict[int, float]:
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
+
+
+def wandb_records(path) -> list:
+    """The protobuf records of an offline W&B run file (``run-<id>.wandb``): a 7-byte header,
+    then LevelDB-style log blocks of 32 KiB whose records are (crc32, length, type) + data."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, buf, out, block = path.read_bytes(), 7, b"", [], 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:
+            pos += left - 7
+            continue
+        buf, pos = buf + data[pos:pos + length], pos + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+            buf = b""
+    return out
