@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class CausalLMModule(L.LightningModule):
+    #: the loss shifts labels itself (labels == input_ids); read by data_inspector's label check
+    shifts_labels = True
+
     def __init__(
         self,
         net: torch.nn.Module,

@@ -54,6 +54,9 @@ def prepare_config(cfg: DictConfig) -> None:
 
 
 def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
+    # callbacks first: they set env vars/flags (seeds, NCCL debug) before anything else exists,
+    # and a bad callback value fails in ~1 s instead of after data and model are built
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(
         cfg.model,
@@ -62,7 +65,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     )
     _check_vocab(module, datamodule)
     final_ckpt = FinalCheckpoint(Path(cfg.paths.output_dir) / "checkpoints")
-    callbacks = instantiate_callbacks(cfg.get("callbacks")) + [final_ckpt]
+    callbacks = [*callbacks, final_ckpt]
     from src.callbacks.log_sync import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set

@@ -1,0 +1,392 @@
+"""`Reproducibility`: fix every source of randomness, record it, and prove the step replays.
+
+Catches: runs that cannot be reproduced although "the seed is set" -- an op or module that is
+nondeterministic in a way seeding cannot fix (noise from a fresh ``torch.Generator`` seeded
+from the clock, atomics in CUDA kernels, uninitialised memory), PyTorch ops without a
+deterministic implementation, and a Python hash seed that was fixed too late to matter.
+
+What it does (every rank builds this callback: child ranks re-run ``train.py``):
+
+- ``__init__`` (before the Trainer and before child ranks start, so children inherit it):
+  sets ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` (before the first cuBLAS call),
+  seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
+  point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
+  ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
+  spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
+  export it in the shell to fix rank 0 too).
+- ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
+  ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
+  ``Trainer(deterministic=False)`` resets it when the Trainer is built.
+- ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
+  a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
+  and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
+- Replay self-check, the first ``replay_steps`` training batches, EVERY rank (a ZeRO-3 or DDP
+  forward is collective, so every rank replays the same batches): snapshot the RNG states
+  and module buffers, run the training step's forward once more through the strategy (same
+  precision context, same wrapper) with forward hooks fingerprinting every module output,
+  restore RNG and buffers, then let the real forward run under the same hooks. The first
+  module (in completion order, so the innermost culprit) whose output differs is reported.
+  The extra forward builds no optimizer state and runs no backward; the real step sees the
+  same RNG state, weights and buffers as without the callback (a test compares loss curves).
+- PyTorch's own "does not have a deterministic implementation" warnings (``warn_only=true``)
+  become findings naming the op and the code line that called it.
+
+Example::
+
+    python train.py +callbacks=reproducibility callbacks.reproducibility.replay_steps=3 \\
+        callbacks.reproducibility.warn_only=false
+
+| finding code | severity | meaning |
+|---|---|---|
+| ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
+| ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
+| ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
+| ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
+| ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
+
+Metrics: none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+CUBLAS_CONFIGS = (":4096:8", ":16:8")
+_NONDET_MARK = "does not have a deterministic implementation"
+_ADVICE = ("look in that module's forward for randomness outside torch's global RNG (a fresh torch.Generator or "
+           "numpy/random seeded from time/os.urandom), CUDA atomics (index_add_/scatter_add_), or torch.empty read "
+           "before being written; warn_only=false makes PyTorch raise at ops without a deterministic kernel")
+
+
+def _invalid(key: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"callbacks.reproducibility.{key}={value!r} is invalid; valid: {valid}")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _digest(state: dict[str, Any]) -> dict[str, str]:
+    """Short sha1 per RNG state: equal digests = equal states (compare ranks and runs)."""
+    raw = {
+        "python": repr(state["python"]).encode(),
+        "numpy": state["numpy"][1].tobytes() + repr(state["numpy"][2:]).encode(),
+        "torch_cpu": state["torch_cpu"].numpy().tobytes(),
+    }
+    if "cuda" in state:
+        raw["cuda"] = b"".join(t.cpu().numpy().tobytes() for t in state["cuda"])
+    return {k: hashlib.sha1(v).hexdigest()[:16] for k, v in raw.items()}
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """Tensors of a module output in a fixed order (tensor, tuple/list, dict, HF ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+class Reproducibility(DebugCallback):
+    name = "reproducibility"
+
+    def __init__(self, seed: int = 42, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
+                 cublas_workspace_config: str = ":4096:8", fill_uninitialized_memory: bool | None = None,
+                 replay_steps: int = 2, sample_size: int = 4096, on_error: str = "warn") -> None:
+        super().__init__(on_error)
+        for key, value, low in (("seed", seed, 0), ("hash_seed", hash_seed, 0), ("replay_steps", replay_steps, 0),
+                                ("sample_size", sample_size, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 2**32:
+                raise _invalid(key, value, f"an int in [{low}, 2**32)")
+        for key, value in (("deterministic", deterministic), ("warn_only", warn_only)):
+            if not isinstance(value, bool):
+                raise _invalid(key, value, "true, false")
+        if not (fill_uninitialized_memory is None or isinstance(fill_uninitialized_memory, bool)):
+            raise _invalid("fill_uninitialized_memory", fill_uninitialized_memory, "null (auto), true, false")
+        if cublas_workspace_config not in CUBLAS_CONFIGS:
+            raise _invalid("cublas_workspace_config", cublas_workspace_config, ", ".join(CUBLAS_CONFIGS))
+        self.seed, self.hash_seed, self.deterministic, self.warn_only = seed, hash_seed, deterministic, warn_only
+        self.replay_steps, self.sample_size = replay_steps, sample_size
+        # auto: on CUDA filling is cheap; on CPU it fills DeepSpeed's torch.empty reduce buckets
+        # every step (measured: aten::fill_ 40% of profiled CPU time under ZeRO-2, 1.5% without).
+        # Reads of uninitialised memory still show up in the replay check.
+        self.fill = torch.cuda.is_available() if fill_uninitialized_memory is None else fill_uninitialized_memory
+        # Runs in every process that builds the callback (each rank), before the Trainer.
+        # What was there before is put back at teardown (in-process fits, notebooks, tests).
+        self._saved_env = {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")}
+        self._saved_flags = (torch.are_deterministic_algorithms_enabled(),
+                             torch.is_deterministic_algorithms_warn_only_enabled(),
+                             torch.utils.deterministic.fill_uninitialized_memory,
+                             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+        self._hash_seed_at_start = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = str(hash_seed)  # for processes started from here on
+        self._cuda_was_initialised = torch.cuda.is_available() and torch.cuda.is_initialized()
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas_workspace_config
+        self._seeded_here = "PL_GLOBAL_SEED" not in os.environ
+        if self._seeded_here:  # entry.py normally did this already: don't reseed (would fight it)
+            import lightning as L
+
+            L.seed_everything(seed, workers=True, verbose=False)
+        self._apply_flags()
+        self._set_up = False
+        self._replayed = 0
+        self._pending: tuple | None = None
+        self._record: list[tuple[str, Any]] | None = None
+        self._names: dict[int, str] = {}
+        self._compared = 0
+        self._diverged = False
+        self._seen_ops: set[str] = set()
+        self._trainer = None
+        self._orig_showwarning = None
+
+    def _apply_flags(self) -> bool:
+        was_on = torch.are_deterministic_algorithms_enabled()
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=self.warn_only)
+            torch.utils.deterministic.fill_uninitialized_memory = self.fill
+        return was_on
+
+    # ---- setup: every rank, no collectives ------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        was_on = self._apply_flags()
+        if self._set_up:
+            return
+        self._set_up = True
+        if self.deterministic and not was_on:
+            log.info("reproducibility: re-enabled torch.use_deterministic_algorithms (trainer.deterministic=false "
+                     "turned it off when the Trainer was built)")
+        run_seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))
+        if run_seed != self.seed:
+            self.report(trainer, "warning", "seed_mismatch",
+                        f"the run was seeded with {run_seed} but callbacks.reproducibility.seed={self.seed}",
+                        advice="leave callbacks.reproducibility.seed at ${seed} (the default)",
+                        details={"run_seed": run_seed, "callback_seed": self.seed})
+        if self._hash_seed_at_start != str(self.hash_seed):
+            self.report(trainer, "info", "hash_seed_late",
+                        f"PYTHONHASHSEED={self.hash_seed} was set for child ranks and workers started later, but rank "
+                        f"{trainer.global_rank} started with PYTHONHASHSEED={self._hash_seed_at_start!r}: its str "
+                        "hashes (set/dict-of-str iteration order) are not fixed",
+                        advice=f"export PYTHONHASHSEED={self.hash_seed} before `python train.py` to fix it on "
+                               "every rank",
+                        details={"at_start": self._hash_seed_at_start, "set": str(self.hash_seed)}, step=None)
+        if self._cuda_was_initialised:
+            log.warning("reproducibility: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set; cuBLAS may "
+                        "ignore it (set it in the environment)")
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """After fit, every rank: put the process-wide flags and env vars back (child ranks
+        and workers were started long ago with ours)."""
+        self._restore_warnings()
+        det, warn_only, fill, cudnn_det, bench = self._saved_flags
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    # ---- on_train_start: every rank writes its own record ---------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        rank = trainer.global_rank
+        out = Path(trainer.default_root_dir) / "repro"
+        out.mkdir(parents=True, exist_ok=True)
+        state = rng_state()
+        torch.save(state, out / f"rng_state_rank{rank}.pt")
+        record = {
+            "rank": rank, "world_size": trainer.world_size, "seed": self.seed,
+            "PL_GLOBAL_SEED": os.environ.get("PL_GLOBAL_SEED"), "PL_SEED_WORKERS": os.environ.get("PL_SEED_WORKERS"),
+            "seeded_by": "reproducibility" if self._seeded_here else "seed_everything in the entry point",
+            "env": {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")},
+            "process_hash_seed": self._hash_seed_at_start,
+            "flags": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                      "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                      "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+                      "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                      "cudnn_benchmark": torch.backends.cudnn.benchmark},
+            "versions": {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
+                         "cuda": torch.version.cuda},
+            "rng_digest": _digest(state),
+            "rng_state_file": f"rng_state_rank{rank}.pt",
+        }
+        (out / f"rank{rank}.json").write_text(json.dumps(record, indent=2, default=str))
+        if rank == 0:
+            self.report(trainer, "info", "seeded",
+                        f"seed {record['PL_GLOBAL_SEED']} (workers seeded: {record['PL_SEED_WORKERS'] == '1'}), "
+                        f"PYTHONHASHSEED={self.hash_seed}, "
+                        f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, "
+                        f"deterministic algorithms {'on' if self.deterministic else 'off'} "
+                        f"(warn_only={self.warn_only}), cudnn deterministic, benchmark off; "
+                        f"replaying {self.replay_steps} step(s); states in {out}",
+                        details=record, rank=None)
+        self._trainer = trainer
+        if self.deterministic and self.warn_only:
+            self._orig_showwarning = warnings.showwarning
+            warnings.showwarning = self._showwarning
+        if self.replay_steps:
+            self._names = {id(m): name or "<root>" for name, m in pl_module.named_modules()}
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message)
+        if _NONDET_MARK in text and self._trainer is not None:
+            op = text.split(_NONDET_MARK)[0].strip()
+            if op not in self._seen_ops:
+                self._seen_ops.add(op)
+                self.report(self._trainer, "warning", "nondeterministic_op",
+                            f"op `{op}` has no deterministic implementation (called from {filename}:{lineno}); "
+                            "results can differ between identical runs",
+                            advice="replace the op (e.g. a deterministic gather/sum instead of "
+                                   "index_add_/scatter_add_), or accept it; warn_only=false raises with the full stack",
+                            details={"op": op, "file": filename, "line": lineno})
+            return
+        self._orig_showwarning(message, category, filename, lineno, file, line)
+
+    def _restore_warnings(self) -> None:
+        if self._orig_showwarning is not None:
+            warnings.showwarning, self._orig_showwarning = self._orig_showwarning, None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._restore_warnings()
+        self._drop_pending()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore_warnings()
+        self._drop_pending()
+
+    # ---- replay: the first replay_steps batches, EVERY rank -------------------------
+    def _hook(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if self._record is None:
+            return
+        prints = []
+        for t in _tensors(out):
+            flat = t.detach().reshape(-1)
+            if flat.is_complex():
+                flat = torch.view_as_real(flat).reshape(-1)
+            stride = max(1, flat.numel() // self.sample_size)
+            prints.append((tuple(t.shape), flat.sum(dtype=torch.float64),
+                           flat[::stride][: self.sample_size].to(torch.float64, copy=True)))
+        self._record.append((self._names.get(id(module), type(module).__name__), prints, type(module).__name__))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._replayed >= self.replay_steps:
+            return
+        if not pl_module.automatic_optimization:  # training_step would step the optimizer itself
+            self._replayed = self.replay_steps
+            log.info("reproducibility: replay skipped (manual optimization)")
+            return
+        self._replayed += 1
+        handles = [m.register_forward_hook(self._hook) for m in pl_module.modules()]
+        self._pending = ([], handles, trainer.global_step)
+        saved_rng = rng_state()
+        buffers = [b.detach().clone() for b in pl_module.buffers()]
+        self._record = self._pending[0]
+        for k in ("log", "log_dict"):  # the replayed training_step must not log
+            setattr(pl_module, k, lambda *a, **kw: None)
+        try:
+            # same precision context and wrapper (DDP / DeepSpeed engine) as the real step; under
+            # DDP in no_sync, so this forward does not arm the reducer for the real backward
+            model = trainer.strategy.model
+            with model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else nullcontext():
+                trainer.strategy.training_step(batch, batch_idx)
+        except BaseException:
+            self._drop_pending()
+            raise
+        finally:
+            for k in ("log", "log_dict"):
+                delattr(pl_module, k)
+            set_rng_state(saved_rng)
+            with torch.no_grad():
+                for b, saved in zip(pl_module.buffers(), buffers):
+                    b.copy_(saved)
+        self._record = []  # the real forward records into this one
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._pending is None:
+            return
+        replay, _, step = self._pending
+        real = self._record
+        self._drop_pending()
+        self._compare(trainer, replay, real, step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._drop_pending()  # a step without backward (training_step returned None): nothing compared
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            for h in self._pending[1]:
+                h.remove()
+        self._pending, self._record = None, None
+
+    def _compare(self, trainer: Any, replay: list, real: list, step: int) -> None:
+        self._compared += 1
+        found = self._first_difference(replay, real)
+        if found is not None and not self._diverged:  # the first divergence names the culprit; once per rank
+            self._diverged = True
+            self._diverge(trainer, step, *found, total=len(real))
+        elif self._compared == self.replay_steps and not self._diverged and trainer.global_rank == 0:
+            self.report(trainer, "info", "replay_ok",
+                        f"replayed the first {self.replay_steps} step(s) on every rank; on rank 0 all {len(real)} "
+                        "module outputs per step matched bit for bit (a rank that diverged reports it)", rank=None)
+
+    @staticmethod
+    def _first_difference(replay: list, real: list) -> tuple | None:
+        """(record, call index, max abs diff or None, how) of the first differing module call."""
+        same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+        for i, (a, b) in enumerate(zip(replay, real)):
+            if a[0] != b[0] or len(a[1]) != len(b[1]):
+                return b, i, None, f"the module call order changed (replay called `{a[0]}`)"
+            for (shape_a, sum_a, s_a), (shape_b, sum_b, s_b) in zip(a[1], b[1]):
+                if shape_a != shape_b:
+                    return b, i, None, f"output shape {shape_a} vs {shape_b}"
+                if not (same(s_a, s_b) and same(sum_a, sum_b)):
+                    diff = float((s_a - s_b).abs().nan_to_num(float("inf")).max()) if s_a.numel() else 0.0
+                    return b, i, diff, f"output sum differs by {float(sum_a - sum_b):.3g}"
+        if len(replay) != len(real):
+            i = min(len(replay), len(real))
+            rec = (real or replay)[min(i, len(real or replay) - 1)]
+            return rec, i, None, f"{len(replay)} module calls in the replay vs {len(real)} in the real step"
+        return None
+
+    def _diverge(self, trainer: Any, step: int, rec: tuple, index: int, diff: float | None, how: str,
+                 total: int) -> None:
+        path, cls = rec[0], rec[2]
+        diff_text = f"max abs diff {diff:.3g} over <= {self.sample_size} sampled elements, " if diff is not None else ""
+        self.report(trainer, "warning", "nondeterministic_op",
+                    f"module `{path}` ({cls}) gives a different output when step {step} is replayed with the same "
+                    f"RNG state, weights and batch ({diff_text}{how}); it is module call {index + 1} of {total}, "
+                    "the first to differ: seeding cannot make this run reproducible",
+                    advice=_ADVICE, step=step,
+                    details={"module": path, "class": cls, "call_index": index, "calls": total,
+                             "max_abs_diff_sampled": diff, "how": how})

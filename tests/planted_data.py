@@ -1,0 +1,195 @@
+"""Planted bugs for the reproducibility, data_inspector and profiler callbacks.
+
+Importable from a child process (``model.net._target_=tests.planted_data.NoisyLM``,
+``data._target_=tests.planted_data.BuggyDataModule``). Each class plants one or more bugs
+a real run can have; the callbacks' tests check that each is found and named.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import Sampler
+from torch.utils.data.dataloader import default_collate
+
+from src.data.datamodule import LMDataModule, PackedBlocks
+from src.data.resumable import EpochShuffleSampler, ResumableDataLoader
+
+
+class UnseededNoise(nn.Module):
+    """Adds noise from a fresh generator seeded from os.urandom each call: restoring torch's
+    RNG state cannot reproduce it (a nondeterministic op seeding cannot fix)."""
+
+    def __init__(self, scale: float = 0.1) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator(device=x.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
+        return x + self.scale * torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+
+
+class NoisyLM(nn.Module):
+    """A small causal LM (embedding -> noise -> MLP -> head) with the planted noise module."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 64, **_: object) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.noise = UnseededNoise()
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.noise(self.embed(input_ids))
+        return self.head(h + self.mlp(h))
+
+
+class HealthyTinyLM(NoisyLM):
+    """The same small net without the noise (fast healthy runs)."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 64, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.noise = nn.Identity()
+
+
+class UrandomSampler(Sampler):
+    """Shuffles with a seed drawn from os.urandom: the order ignores the run seed."""
+
+    def __init__(self, data_source) -> None:
+        self.n = len(data_source)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+        yield from torch.randperm(self.n, generator=g).tolist()
+
+
+class ShiftedLabelBlocks(PackedBlocks):
+    """Labels already shifted by one (labels[t] = input_ids[t+1]); the module shifts again."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        labels = torch.full_like(item["input_ids"], -100)
+        labels[:-1] = item["input_ids"][1:]
+        return {"input_ids": item["input_ids"], "labels": labels}
+
+
+def slow_collate(samples, delay: float = 0.25):
+    time.sleep(delay)  # a tokeniser/augmentation that is far slower than the model step
+    return default_collate(samples)
+
+
+class BuggyDataModule(LMDataModule):
+    """The default packed data with four planted bugs, each switchable:
+
+    - ``leak_val``: val blocks are train text shifted by half a block (no exact copies, so
+      only the n-gram overlap scan finds them);
+    - ``urandom_order``: the train sampler ignores the seed;
+    - ``shift_labels``: labels arrive pre-shifted (double shift with CausalLMModule);
+    - ``slow_collate``: the train collate sleeps ``collate_delay`` seconds per batch.
+    """
+
+    def __init__(self, *args, leak_val: bool = True, urandom_order: bool = True, shift_labels: bool = True,
+                 slow_collate: bool = True, collate_delay: float = 0.25, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leak_val, self.urandom_order, self.shift_labels = leak_val, urandom_order, shift_labels
+        self.slow_collate, self.collate_delay = slow_collate, collate_delay
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        super().setup(stage)
+        tr, va = self.train_dataset, self.val_dataset
+        if self.shift_labels:
+            self.train_dataset = ShiftedLabelBlocks(tr.tokens, tr.seq_len, tr.start, tr.num_blocks)
+        if self.leak_val:
+            self.val_dataset = PackedBlocks(tr.tokens, tr.seq_len, tr.seq_len // 2 + 8 * tr.seq_len, va.num_blocks)
+
+    def train_dataloader(self):
+        self._require_setup()
+        if self.urandom_order:
+            sampler = UrandomSampler(self.train_dataset)
+        else:
+            sampler = EpochShuffleSampler(self.train_dataset, seed=self.seed)
+        extra = {"collate_fn": _SlowCollate(self.collate_delay)} if self.slow_collate else {}
+        return self._loader(self.train_dataset, sampler=sampler, drop_last=True, loader_cls=ResumableDataLoader,
+                            position=self._position, **extra)
+
+
+class _SlowCollate:
+    __name__ = "slow_collate"
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __call__(self, samples):
+        return slow_collate(samples, self.delay)
+
+
+# ---- shared CLI runs for test_cb_{reproducibility,data_inspector,profiler}.py ---------------
+# Several planted bugs share one run, and each run is made once per session (pytest imports
+# this module once): the three test files read the same run dirs.
+
+MY_CALLBACKS = "+callbacks=[reproducibility,data_inspector,profiler]"
+PROFILE_WINDOW = ["callbacks.profiler.wait=1", "callbacks.profiler.warmup=1", "callbacks.profiler.active=2"]
+LEAN_WINDOW = ["callbacks.profiler.wait=1", "callbacks.profiler.warmup=1", "callbacks.profiler.active=1",
+               "callbacks.profiler.record_shapes=false", "callbacks.profiler.profile_memory=false"]  # small traces
+TINY = ["model.net._target_=tests.planted_data.HealthyTinyLM", "strategy=ddp"]  # 1-process runs: seconds
+RUNS = {
+    # healthy, 1 process, replay on
+    "healthy": [MY_CALLBACKS, *PROFILE_WINDOW, *TINY, "callbacks.reproducibility.replay_steps=2"],
+    # the same without replay or profiler, with a dataloader worker, comparing its data order
+    # with "healthy"
+    "healthy_again": ["+callbacks=[reproducibility,data_inspector]", *TINY, "callbacks.reproducibility.replay_steps=0",
+                      "callbacks.data_inspector.compare_with=latest", "data.num_workers=1"],
+    # planted: noise module, val leak, seed-ignoring sampler, pre-shifted labels, slow collate
+    "planted": [MY_CALLBACKS, *LEAN_WINDOW, "callbacks.data_inspector.compare_with=latest",
+                "data._target_=tests.planted_data.BuggyDataModule", "+data.collate_delay=0.5",
+                "model.net._target_=tests.planted_data.NoisyLM", "strategy=ddp"],
+    # 2 processes, the real tiny DeepSeek-V3 (MoE): ZeRO-3 with the distributed sampler off
+    # (identical batches), and healthy DDP
+    "zero3_no_sampler": [MY_CALLBACKS, *LEAN_WINDOW, "trainer=ddp_sim", "strategy=zero3",
+                         "trainer.use_distributed_sampler=false", "callbacks.reproducibility.replay_steps=1",
+                         "callbacks.data_inspector.every_n_steps=2"],
+    "ddp": [MY_CALLBACKS, *LEAN_WINDOW, "trainer=ddp_sim", "strategy=ddp", "callbacks.reproducibility.replay_steps=1"],
+}
+_ORDER = ["healthy", "healthy_again", "planted"]  # share one log dir: "latest" finds the earlier ones
+_done: dict = {}
+
+
+def cli_run(name: str, tmp_path_factory, cache):
+    """(run_dir, findings) of RUNS[name], run once per session."""
+    import json
+
+    from tests.conftest import FAST, assert_ok, only_run_dir, run_dirs, run_train
+
+    if name in _done:
+        return _done[name]
+    if name in _ORDER:
+        for earlier in _ORDER[: _ORDER.index(name)]:
+            cli_run(earlier, tmp_path_factory, cache)
+        log_dir = _done.setdefault("_shared_log_dir", tmp_path_factory.mktemp("data_order_runs"))
+        before = set(run_dirs(log_dir))
+    else:
+        log_dir, before = tmp_path_factory.mktemp(name), set()
+    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+        "trainer.max_steps=5", "export.fp32=false", "export.hf=false", *RUNS[name]]
+    proc = run_train(args, log_dir, cache, env={"PYTHONHASHSEED": "random"})  # as a user's shell: not exported
+    assert_ok(proc)
+    run_dir = only_run_dir(log_dir) if not before else (set(run_dirs(log_dir)) - before).pop()
+    path = run_dir / "findings.jsonl"
+    findings = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    _done[name] = (run_dir, findings)
+    return _done[name]
+
+
+def of(findings: list, check: str, severities=("warning", "error")) -> list:
+    return [f for f in findings if f["check"] == check and f["severity"] in severities]

@@ -1,0 +1,101 @@
+"""data_inspector: first batch saved and decoded, identical batches across ranks, train/val
+overlap, data order vs an earlier run with the same seed, label shift sanity."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from src.callbacks.data_inspector import DataInspector, find_overlap, label_pattern, window_hashes
+from src.errors import ConfigError
+from tests.planted_data import cli_run, of
+
+
+def test_first_batch_is_saved_with_decoded_text_and_healthy_run_is_silent(tmp_path_factory, shared_cache):
+    run_dir, findings = cli_run("healthy", tmp_path_factory, shared_cache)
+    assert of(findings, "data_inspector") == []
+    first = json.loads((run_dir / "data_inspector" / "first_batch_rank0.json").read_text())
+    assert first["tensors"]["input_ids"]["shape"] == [8, 128] and first["tensors"]["input_ids"]["dtype"] == "int64"
+    assert first["padding_ratio"] == 0.0 and first["labels"]["pattern"] == "same"
+    assert len(first["decoded"]) == 2 and all(sum(c.isalpha() for c in t) > 50 for t in first["decoded"])
+    saved = torch.load(run_dir / "data_inspector" / "first_batch_rank0.pt")
+    assert saved["input_ids"].shape == (8, 128)
+    assert first["decoded"][0][:40] in (run_dir / "train.log").read_text()  # printed, not only saved
+    order = json.loads((run_dir / "data_inspector" / "data_order_rank0.json").read_text())
+    assert order["seed"] == "42" and len(order["batches"]) == 5 and order["data_fingerprint"]
+
+
+def test_same_seed_same_order_is_silent_and_workers_are_reported(tmp_path_factory, shared_cache):
+    _, findings = cli_run("healthy_again", tmp_path_factory, shared_cache)  # data.num_workers=1
+    assert of(findings, "data_inspector") == []
+    match = [f for f in findings if f["code"] == "data_order_matches"]
+    assert match and "batches 0..4" in match[0]["message"]
+    workers = [f for f in findings if f["code"] == "workers"]
+    assert workers and workers[0]["details"]["num_workers"] == 1
+    assert workers[0]["details"]["worker_init_fn"] == "seed_worker" and "every rank" in workers[0]["message"]
+
+
+def test_planted_data_bugs_are_found_and_named(tmp_path_factory, shared_cache):
+    _, findings = cli_run("planted", tmp_path_factory, shared_cache)
+    bad = {f["code"]: f for f in of(findings, "data_inspector")}
+    # a sampler that ignores the seed: same seed + data as the earlier run, different order
+    changed = bad["data_order_changed"]
+    assert changed["rank"] == 0 and "batch 0 differs" in changed["message"] and "same seed 42" in changed["message"]
+    # val = train text shifted by half a block: no exact copy, every val block shares a span
+    leak = bad["train_val_overlap"]
+    assert leak["details"]["ngram_overlap"] == leak["details"]["val_samples"] > 0
+    assert "val sample 0 / train sample" in leak["message"] and leak["details"]["example"]["text"]
+    # pre-shifted labels + CausalLMModule's own shift
+    assert bad["label_double_shift"]["severity"] == "error" and "t+2" in bad["label_double_shift"]["message"]
+    assert set(bad) == {"data_order_changed", "train_val_overlap", "label_double_shift"}
+
+
+@pytest.mark.slow
+def test_disabled_distributed_sampler_gives_identical_batches_named(tmp_path_factory, shared_cache):
+    run_dir, findings = cli_run("zero3_no_sampler", tmp_path_factory, shared_cache)
+    bad = of(findings, "data_inspector")
+    assert [f["code"] for f in bad] == ["identical_batches_across_ranks"]
+    f = bad[0]
+    assert f["severity"] == "error" and f["step"] == 0 and f["rank"] is None
+    assert "rank 0 and rank 1" in f["message"] and "step 0" in f["message"]
+    assert (run_dir / "data_inspector" / "data_order_rank1.json").is_file()
+
+
+@pytest.mark.slow
+def test_healthy_ddp_two_ranks_is_silent(tmp_path_factory, shared_cache):
+    run_dir, findings = cli_run("ddp", tmp_path_factory, shared_cache)
+    assert of(findings, "data_inspector") == []
+    orders = [json.loads((run_dir / "data_inspector" / f"data_order_rank{r}.json").read_text())["batches"]
+              for r in (0, 1)]
+    assert not set(orders[0]) & set(orders[1])  # the distributed sampler gives each rank other batches
+
+
+def test_overlap_scan_finds_exact_copies_and_shared_spans():
+    rng = np.random.default_rng(0)
+    train = [rng.integers(0, 1000, 64) for _ in range(50)]
+    val = [train[7].copy(), np.concatenate([rng.integers(0, 1000, 20), train[3][10:54]]), rng.integers(0, 1000, 64)]
+    r = find_overlap(train, val, 32)
+    assert r["exact"] == 1 and r["ngram_overlap"] == 2 and r["example"]["train_index"] == 7
+    hashes, sample, offset = window_hashes(train[:2], 16)
+    assert len(hashes) == 2 * (64 - 16 + 1) and set(sample.tolist()) == {0, 1} and offset.max() == 48
+    assert find_overlap(train, [rng.integers(0, 1000, 64)], 32)["ngram_overlap"] == 0
+
+
+def test_label_patterns():
+    ids = torch.arange(12).reshape(2, 6)
+    assert label_pattern(ids, ids.clone()) == "same"
+    shifted = torch.full_like(ids, -100)
+    shifted[:, :-1] = ids[:, 1:]
+    assert label_pattern(ids, shifted) == "shifted"
+    assert label_pattern(ids, torch.full_like(ids, -100)) == "ignored"
+
+
+@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"compare_with": "/no/such/run"},
+                                    {"overlap_warn_fraction": 2}])
+def test_bad_values_are_config_errors(kwargs):
+    with pytest.raises(ConfigError, match=r"callbacks\.data_inspector\.\w+=.*valid"):
+        DataInspector(**kwargs)
+
