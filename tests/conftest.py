@@ -101,3 +101,4 @@ def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
         return train(cfg)
     finally:
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # later tests must not see this run's cwd/output dir

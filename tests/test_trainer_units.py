@@ -29,7 +29,10 @@ def test_child_rank_command_uses_this_jobs_overrides_not_argv(monkeypatch, tmp_p
     cfg.hydra.runtime.cwd = str(REPO)
     HydraConfig.instance().set_config(cfg)
     monkeypatch.setattr(sys, "argv", ["train.py", "-m", "optim.lr=0.001,0.003", "strategy=zero2,zero3"])
-    cmd, cwd = hydra_child_command(1)
+    try:
+        cmd, cwd = hydra_child_command(1)
+    finally:
+        HydraConfig.instance().cfg = None  # global: later tests must not see it
     assert cmd[1] == str(REPO / "train.py") and cwd == str(REPO)
     assert "-m" not in cmd and not any("," in a for a in cmd)
     assert "optim.lr=0.001" in cmd and "hparams_search=optuna" in cmd
