@@ -54,3 +54,19 @@ def test_debug_full_on_a_healthy_two_process_run_is_silent(strategy, tmp_path, s
     assert bad == [], json.dumps(bad, indent=1)[:3000]
     assert {r["rank"] for r in records} >= {0}
     assert "findings" in proc.stderr  # the summary table at the end of fit
+
+
+def test_the_issue_command_line_forms(monkeypatch):
+    monkeypatch.setenv("PROJECT_ROOT", str(REPO))
+
+    def cbs(overrides):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        GlobalHydra.instance().clear()
+        return cfg.callbacks
+
+    assert "grad_monitor" not in cbs(["debug=full", "~callbacks.grad_monitor"])
+    assert "profiler" in cbs(["+callbacks=profiler"])
+    assert cbs(["+callbacks=grad_monitor", "callbacks.grad_monitor.every_n_steps=5"]).grad_monitor.every_n_steps == 5
+    assert cbs(["debug=light", "callbacks.grad_monitor.every_n_steps=5"]).grad_monitor.every_n_steps == 5
