@@ -1,7 +1,8 @@
 """Finding checkpoints to resume from, and exporting the final weights.
 
-A Lightning checkpoint is a file (DDP) or, under DeepSpeed, a directory of shards with a
-``latest`` tag file that DeepSpeed writes after the shards. Only complete ones count.
+A Lightning checkpoint is a file (DDP) or, under DeepSpeed, a directory of shards. It counts
+as complete once its manifest exists (``src/trainer/integrity.py``), and is verified against it
+before a resume.
 
 Exports (rank 0, after fit):
 - ``export/model_fp32.pt``: one consolidated fp32 state dict of the LightningModule, made
@@ -19,41 +20,93 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from src.errors import ConfigError
+from src.trainer.integrity import CheckpointError, has_manifest, manifest_path, save_verified, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 def is_complete_checkpoint(path: Path) -> bool:
+    """Complete = its manifest exists (written last, after every rank's shards)."""
+    return has_manifest(path) and (path.is_file() or path.is_dir())
+
+
+def is_legacy_checkpoint(path: Path) -> bool:
+    """A checkpoint from elsewhere (no manifest): a file, or a DeepSpeed dir with its tag file."""
     if path.is_file():
         return path.stat().st_size > 0
     return path.is_dir() and (path / "latest").is_file() and (path / "checkpoint").is_dir()
 
 
 def list_checkpoints(root: Path, exclude: Path | None = None) -> list[Path]:
-    """Complete checkpoints under ``root/**/checkpoints/``, oldest first."""
+    """Checkpoints with a manifest under ``root/**/checkpoints/``, oldest first (by manifest time)."""
     found = []
     for ckpt_dir in root.glob("**/checkpoints"):
         if exclude is not None and exclude.resolve() in ckpt_dir.resolve().parents:
             continue
-        found += [p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt") and is_complete_checkpoint(p)]
-    return sorted(found, key=lambda p: (p / "latest").stat().st_mtime if p.is_dir() else p.stat().st_mtime)
+        for p in ckpt_dir.iterdir():
+            if not p.name.endswith(".ckpt"):
+                continue
+            if is_complete_checkpoint(p):
+                found.append(p)
+            else:
+                log.info("skipping %s: no manifest (its save did not finish)", p)
+    return sorted(found, key=lambda p: manifest_path(p).stat().st_mtime)
 
 
 def resolve_ckpt_path(cfg: Any, output_dir: Path) -> str | None:
+    """The checkpoint to resume from, verified against its manifest.
+
+    ``ckpt_path=<path>``: that one (a checkpoint without a manifest, e.g. from another tool,
+    loads with a warning); ``resume=latest``: the newest with a manifest, which must verify;
+    ``resume=latest_valid``: the newest that verifies, each skipped one reported."""
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser().resolve()
-        if not is_complete_checkpoint(path):
-            raise ConfigError(f"ckpt_path={cfg.ckpt_path}: not a complete checkpoint (file, or DeepSpeed dir with 'latest')")
+        if has_manifest(path):
+            verify_checkpoint(path)
+        elif is_legacy_checkpoint(path):
+            log.warning("ckpt_path=%s has no manifest: loading it unverified", path)
+        else:
+            raise CheckpointError(
+                f"ckpt_path={cfg.ckpt_path}: not a complete checkpoint (no {manifest_path(path).name}, "
+                "and not a file or a DeepSpeed dir with 'latest')"
+            )
         return str(path)
-    if cfg.get("resume") == "latest":
-        root = Path(cfg.paths.log_dir) / cfg.task_name
-        candidates = list_checkpoints(root, exclude=output_dir)
-        if not candidates:
-            raise ConfigError(f"resume=latest: no complete checkpoint under {root}; train first or pass ckpt_path=<path>")
-        log.info("resume=latest -> %s", candidates[-1])
+    mode = cfg.get("resume")
+    if mode not in ("latest", "latest_valid"):
+        return None
+    root = Path(cfg.paths.log_dir) / cfg.task_name
+    candidates = list_checkpoints(root, exclude=output_dir)
+    if not candidates:
+        raise CheckpointError(f"resume={mode}: no complete checkpoint under {root}; train first or pass ckpt_path=<path>")
+    if mode == "latest":
+        verify_checkpoint(candidates[-1])
+        log.info("resume=latest -> %s (verified)", candidates[-1])
         return str(candidates[-1])
-    return None
+    for path in reversed(candidates):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            _report_skipped(path, e)
+            continue
+        log.info("resume=latest_valid -> %s (verified)", path)
+        return str(path)
+    raise CheckpointError(f"resume=latest_valid: none of the {len(candidates)} checkpoints under {root} verifies")
+
+
+def _report_skipped(path: Path, error: Exception) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    from src.findings import Finding, get_channel
+
+    get_channel().report(Finding(
+        check="checkpoint", severity="warning", code="checkpoint_corrupt",
+        message=f"skipped {path.name}: {error}",
+        advice="the checkpoint's files differ from its manifest (disk error, partial copy, or edited); "
+               "delete it or restore it from a backup",
+        details={"checkpoint": str(path)},
+    ))
 
 
 class FinalCheckpoint(Callback):
@@ -63,11 +116,16 @@ class FinalCheckpoint(Callback):
     ``checkpoints/last.ckpt``. Runs on every rank: saving is a collective under ZeRO.
     """
 
-    def __init__(self, dirpath: str | Path) -> None:
+    def __init__(self, dirpath: str | Path, preemption: Any = None) -> None:
         self.dirpath = Path(dirpath)
         self.path: Path | None = None
+        self.preemption = preemption
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        pre = self.preemption
+        if pre is not None and pre.path is not None and pre.step == trainer.global_step:
+            self.path = pre.path  # preempted: that checkpoint is the final one, don't spend grace time
+            return
         cb = trainer.checkpoint_callback
         # with monitor=step (conf/callbacks/model_checkpoint.yaml) the "best" is the newest
         if (cb is not None and cb.monitor == "step" and cb.best_model_path
@@ -75,7 +133,7 @@ class FinalCheckpoint(Callback):
             self.path = Path(cb.best_model_path)
             return
         self.path = self.dirpath / "last.ckpt"
-        trainer.save_checkpoint(self.path)
+        save_verified(trainer, self.path)
 
 
 def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf: bool) -> dict[str, str]:

@@ -96,6 +96,15 @@ def _summarize_findings_after_crash() -> None:
         channel.print_summary()
 
 
+def _dead_rank(exc: BaseException) -> str | None:
+    """Rank 0 after an exception: if a child rank died, that is the story, not our traceback."""
+    if not _is_rank_zero():
+        return None
+    from src.trainer.liveness import dead_rank_message
+
+    return dead_rank_message()
+
+
 def run(cfg: Any) -> float | None:
     """The Hydra task function: a multirun job is run in its own process tree."""
     from hydra.core.hydra_config import HydraConfig
@@ -116,7 +125,11 @@ def run(cfg: Any) -> float | None:
     except Exception as e:  # noqa: BLE001
         if type(e).__name__ == "StoppedByCheck":
             fail(str(e), code=e.exit_code)
+        dead = _dead_rank(e)
         _summarize_findings_after_crash()
+        if dead is not None:
+            log.debug("stopped after a rank died", exc_info=True)
+            fail(f"{dead}; this rank stopped too ({' '.join(str(e).split())[:160]})", code=1)
         config_error = find_config_error(e)
         if config_error is not None:
             log.debug("bad input", exc_info=True)

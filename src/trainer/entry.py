@@ -25,6 +25,8 @@ from src.errors import ConfigError
 from src.findings import configure_channel, get_channel
 from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
 from src.trainer.ds_config import apply_ds_json_to_cfg
+from src.trainer.liveness import LivenessCallback, watch_parent
+from src.trainer.preemption import PreemptionCheckpoint
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 from src.trainer.optim import scaled_lr
 from src.trainer.secrets import redact
@@ -64,8 +66,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
         scheduler=hydra.utils.instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
     )
     _check_vocab(module, datamodule)
-    final_ckpt = FinalCheckpoint(Path(cfg.paths.output_dir) / "checkpoints")
-    callbacks = [*callbacks, final_ckpt]
+    ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
+    pre = cfg.get("preemption") or {}
+    preemption = PreemptionCheckpoint(ckpt_dir, signals=list(pre.get("signals", ["SIGTERM", "SIGUSR1"])),
+                                      enabled=bool(pre.get("enabled", True)))
+    final_ckpt = FinalCheckpoint(ckpt_dir, preemption=preemption)
+    callbacks = [*callbacks, LivenessCallback(), preemption, final_ckpt]
     from src.callbacks.log_sync import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
@@ -87,6 +93,7 @@ def _check_vocab(module: Any, datamodule: Any) -> None:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     started = time.time()
+    watch_parent()  # a child rank exits if rank 0 dies (no orphans)
     prepare_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
@@ -99,8 +106,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
     metrics = _collect_metrics(trainer, module, started, ckpt_path, final_ckpt.path)
+    preempted = final_ckpt.preemption is not None and final_ckpt.preemption.path is not None
+    if preempted:
+        metrics["status"] = "preempted"
     if trainer.is_global_zero:
-        if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf):
+        if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf) and not preempted:
             net_factory = lambda: hydra.utils.instantiate(cfg.model.net)  # noqa: E731
             metrics["exports"] = export_final(
                 final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf)

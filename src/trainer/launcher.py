@@ -18,6 +18,8 @@ from pathlib import Path
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from src.trainer.liveness import ENV_PARENT, watch_children
+
 log = logging.getLogger(__name__)
 
 
@@ -57,11 +59,13 @@ class HydraAwareLauncher(_SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
+            child_env[ENV_PARENT] = str(os.getpid())  # the child exits if we die (liveness.py)
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 child_env.pop("PL_GLOBAL_SEED", None)
             command, cwd = hydra_child_command(local_rank)
             log.debug("launching rank %d: %s", local_rank, command)
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+        watch_children(list(enumerate(self.procs, start=1)))
         return None
 
 

@@ -57,10 +57,10 @@ def validate_config(cfg: DictConfig) -> None:
             "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
         )
     resume = cfg.get("resume")
-    if resume not in (None, "latest"):
-        raise ConfigError(f"resume={resume!r} is invalid; valid: null, latest (or use ckpt_path=<path>)")
+    if resume not in (None, "latest", "latest_valid"):
+        raise ConfigError(f"resume={resume!r} is invalid; valid: null, latest, latest_valid (or use ckpt_path=<path>)")
     if cfg.get("ckpt_path") and resume:
-        raise ConfigError("give either ckpt_path=<path> or resume=latest, not both")
+        raise ConfigError(f"give either ckpt_path=<path> or resume={resume}, not both")
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.exists():

@@ -1,0 +1,144 @@
+"""Preemption: SIGTERM / SIGUSR1 -> a verified checkpoint at the next optimizer step, clean exit.
+
+Schedulers announce the end of a job with a signal and a grace period (SLURM: ``--signal=USR1@90``
+then SIGTERM; Kubernetes and most clouds: SIGTERM). Lightning's own SIGTERM handling raises
+``SIGTERMException`` at the next batch without a checkpoint, and its handler broadcasts from
+inside the signal handler (a collective that can interleave with one already in flight). Here:
+
+- the handler only records the signal; nothing runs inside it;
+- at every optimizer-step boundary the ranks agree (one all-reduce of a flag) whether any rank
+  got a signal, so they all stop at the same step even when only one was signalled;
+- then every rank saves ``checkpoints/preempt_step_<N>.ckpt`` (manifest + verify, see
+  ``integrity.py``), a ``preempted`` finding names the signal and step, and fit ends;
+  ``train.py`` skips the exports and exits 0; ``resume=latest`` continues from that step.
+
+The checkpoint also carries every rank's RNG state (python, numpy, torch, CUDA) so that a resumed
+run draws the same random numbers (dropout, sampling) as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback
+
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGCONT")
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class PreemptionCheckpoint(Callback):
+    def __init__(self, dirpath: str | Path, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+                 enabled: bool = True) -> None:
+        bad = [s for s in signals if s not in SIGNALS]
+        if bad:
+            raise ConfigError(f"preemption.signals: {bad[0]!r} is not a valid signal; valid: {', '.join(SIGNALS)}")
+        self.dirpath = Path(dirpath)
+        self.signals = [getattr(signal, s) for s in signals] if enabled else []
+        self.received: int | None = None
+        self.path: Path | None = None  # the preemption checkpoint, once written
+        self.step: int | None = None
+        self._last_step = -1
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------- signals
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not self.signals:
+            return
+        connector = trainer._signal_connector
+
+        def register() -> None:  # replaces Lightning's, keeping its restore-on-teardown
+            connector.received_sigterm = False
+            connector._original_handlers = connector._get_current_signal_handlers()
+            for signum in self.signals:
+                signal.signal(signum, self._on_signal)
+
+        connector.register_signal_handlers = register
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.signals or trainer.global_step == self._last_step:
+            return  # inside a gradient-accumulation window: not a step boundary
+        self._last_step = trainer.global_step
+        if not self._any_rank(trainer, self.received is not None):
+            return
+        from src.findings import Finding, get_channel
+        from src.trainer.integrity import save_verified
+
+        step = trainer.global_step
+        self.path = self.dirpath / f"preempt_step_{step:06d}.ckpt"
+        self.step = step
+        save_verified(trainer, self.path)
+        if trainer.is_global_zero:
+            name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
+            get_channel().report(Finding(
+                check="preemption", severity="warning", code="preempted",
+                message=f"{name} received; saved {self.path.name} at step {step} and stopped",
+                advice="resume with resume=latest (same paths.log_dir and task_name)",
+                step=step, details={"signal": name, "checkpoint": str(self.path)},
+            ))
+        trainer.should_stop = True
+
+    @staticmethod
+    def _any_rank(trainer: Any, flag: bool) -> bool:
+        if trainer.world_size <= 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(t, reduce_op="max").item() > 0)
+
+    # ------------------------------------------------------------- RNG state
+    def state_dict(self) -> dict[str, Any]:
+        # called on every rank by trainer.save_checkpoint: gather all ranks' RNG states, since
+        # only rank 0's copy of the checkpoint dict is written
+        trainer = getattr(self, "_trainer", None)
+        state = _rng_state()
+        if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
+            states: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, state)
+        else:
+            states = [state]
+        return {"rng_states": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng_to_restore = state_dict
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # restore last, after Lightning's own setup drew from the RNGs
+        if self._rng_to_restore is None:
+            return
+        states = self._rng_to_restore.get("rng_states") or []
+        if len(states) == trainer.world_size:
+            _set_rng_state(states[trainer.global_rank])
+        else:
+            log.warning("checkpoint has RNG states for %d rank(s), this run has %d: RNG not restored",
+                        len(states), trainer.world_size)
+        self._rng_to_restore = None
