@@ -38,6 +38,7 @@ def test_sigkill_of_one_rank_stops_the_run_fast_and_cleanly(strategy, victim, tm
         survivor = pids[1 - victim]
         wait_for(lambda: not alive([survivor]), 60, f"rank {1 - victim} to exit after rank {victim} was killed")
         took = time.time() - killed_at
+        print(f"rank {1 - victim} exited {took:.1f} s after rank {victim} was SIGKILLed")
         rc = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

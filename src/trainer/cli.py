@@ -96,6 +96,21 @@ def _summarize_findings_after_crash() -> None:
         channel.print_summary()
 
 
+def _unsafe_pickle(exc: BaseException) -> str | None:
+    """A checkpoint file that torch.load(weights_only=True) refused: it carries code, not tensors."""
+    import pickle
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, pickle.UnpicklingError):
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            return (f"checkpoint refused by torch.load(weights_only=True): it holds objects other than tensors "
+                    f"and plain containers ({first}); load it only if you trust its source")
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _dead_rank(exc: BaseException) -> str | None:
     """Rank 0 after an exception: if a child rank died, that is the story, not our traceback."""
     if not _is_rank_zero():
@@ -130,6 +145,9 @@ def run(cfg: Any) -> float | None:
         if dead is not None:
             log.debug("stopped after a rank died", exc_info=True)
             fail(f"{dead}; this rank stopped too ({' '.join(str(e).split())[:160]})", code=1)
+        unsafe = _unsafe_pickle(e)
+        if unsafe is not None:
+            fail(unsafe)
         config_error = find_config_error(e)
         if config_error is not None:
             log.debug("bad input", exc_info=True)

@@ -27,6 +27,7 @@ from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_
 from src.trainer.ds_config import apply_ds_json_to_cfg
 from src.trainer.liveness import LivenessCallback, watch_parent
 from src.trainer.preemption import PreemptionCheckpoint
+from src.trainer.reshard import enable_universal_loading, plan_resume
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 from src.trainer.optim import scaled_lr
 from src.trainer.secrets import redact
@@ -97,13 +98,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     prepare_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
+    # verify the checkpoint before anything is built: a corrupt one fails in ~1 s
+    ckpt_path, universal = plan_resume(cfg, resolve_ckpt_path(cfg, output_dir), output_dir, world_size(cfg))
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt = build(cfg)
+    if universal:
+        enable_universal_loading(trainer.strategy)
     if rank_zero_only.rank == 0:
         _print_header(cfg, output_dir)
         _write_config(cfg, output_dir, trainer)
-    ckpt_path = resolve_ckpt_path(cfg, output_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
+    # only, no code; DeepSpeed loads its own shards (weights_only=False inside DeepSpeed)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path,
+                weights_only=True if ckpt_path and Path(ckpt_path).is_file() else None)
 
     metrics = _collect_metrics(trainer, module, started, ckpt_path, final_ckpt.path)
     preempted = final_ckpt.preemption is not None and final_ckpt.preemption.path is not None

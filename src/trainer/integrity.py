@@ -195,16 +195,23 @@ def save_verified(trainer: Any, path: str | Path, weights_only: bool = False) ->
     except Exception as e:  # noqa: BLE001 - ENOSPC arrives as OSError or torch's RuntimeError
         if trainer.is_global_zero:
             _remove(path)
-        if _is_storage_error(e):
+        if _is_storage_error(e, path):
             raise CheckpointError(_write_failure(path, e)) from e
         raise  # e.g. a peer rank died mid-save: not a storage problem
     finalize_checkpoint(trainer, path)
 
 
-def _is_storage_error(exc: BaseException) -> bool:
+def _is_storage_error(exc: BaseException, path: Path) -> bool:
+    """ENOSPC reaches us as OSError, or from torch's zip writer as a RuntimeError
+    ("file write failed", "unexpected pos ..."): also look at the free space itself."""
     text = str(exc)
-    return isinstance(exc, OSError) or any(
-        t in text for t in ("file write failed", "No space left", "Disk quota", "File too large"))
+    if isinstance(exc, OSError) or any(t in text for t in (
+            "file write failed", "unexpected pos", "No space left", "Disk quota", "File too large")):
+        return True
+    try:
+        return shutil.disk_usage(path.parent).free < 64 * 2**20
+    except OSError:
+        return False
 
 
 def _write_failure(path: Path, exc: BaseException) -> str:

@@ -36,7 +36,10 @@ SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGCONT")
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # plain lists/ints/tensors only: a DDP checkpoint loads with torch.load(weights_only=True)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -44,7 +47,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
