@@ -1,10 +1,21 @@
-"""Bad input: one line on stderr naming the key/file and the valid choices, exit code 2."""
+"""Bad input: one line on stderr naming the key/file and the valid choices, exit code 2.
+
+Every row of docs/bad_inputs.md is one test here (or in tests/test_ckpt_integrity.py).
+"""
 
 from __future__ import annotations
 
-import pytest
+import json
+import logging
+from pathlib import Path
 
-from tests.conftest import FAST, error_lines, run_train
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from src.errors import ConfigError
+from tests.conftest import CONF, FAST, REPO, error_lines, run_train
 
 CASES = {
     "unknown_group_option": (["strategy=zero4"], ["strategy/zero4", "zero3", "ddp"]),
@@ -21,6 +32,28 @@ CASES = {
     "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr"]),
     "missing_ds_config": (["strategy=deepspeed_json", "strategy.config=/nonexistent/ds.json"],
                           ["strategy.config", "/nonexistent/ds.json"]),
+    # wrong types and ranges: caught from the composed config, before anything is imported
+    "lr_not_a_number": (["optim.lr=abc"], ["optim.lr must be a positive number, got 'abc'"]),
+    "max_steps_not_integer": (["trainer.max_steps=1.5"], ["trainer.max_steps must be a positive integer, got 1.5"]),
+    "batch_size_zero": (["data.batch_size=0"], ["data.batch_size must be a positive int, got 0"]),
+    "batch_size_negative": (["data.batch_size=-2"], ["data.batch_size must be a positive int, got -2"]),
+    "seed_not_integer": (["seed=abc"], ["seed must be an integer, got 'abc'"]),
+    "devices_zero": (["trainer.devices=0"], ["trainer.devices=0", "valid: 1.."]),
+    "accelerator_tpu": (["trainer.accelerator=tpu"], ["trainer.accelerator='tpu'", "valid: cpu, gpu, cuda, auto"]),
+    "unknown_logger": (["logger=nope"], ["logger/nope", "csv, many, tensorboard, wandb"]),
+    "required_value_unset": (["data=text_files"], ["data.source.paths is required", "data.source.paths='corpus/*.txt'"]),
+    "target_not_importable": (["model.net._target_=src.models.deepseek.build_deepseek_v4"],
+                              ["model.net._target_='src.models.deepseek.build_deepseek_v4'",
+                               "did you mean build_deepseek_v3"]),
+    # the model must fit the data: checked from the config alone, before tokenizing or building
+    "seq_len_over_model_max": (["data.seq_len=1024", "model.net.max_position_embeddings=512"],
+                               ["data.seq_len=1024", "model.net.max_position_embeddings=512",
+                                "valid: data.seq_len<=512"]),
+    "data_vocab_over_model_vocab": (["data.vocab_size=8192", "model.net.vocab_size=4096"],
+                                    ["data.vocab_size=8192", "model.net.vocab_size=4096",
+                                     "valid: data.vocab_size<=4096"]),
+    "global_batch_not_divisible": (["trainer=ddp_sim", "data.global_batch_size=9"],
+                                   ["data.global_batch_size=9", "world size 2", "valid: a multiple of 2 (e.g. 8 or 10)"]),
 }
 
 
@@ -58,9 +91,158 @@ def test_corpus_too_small_for_one_batch(tmp_path, shared_cache):
     ('{"zero_optimization": {"stage": 2, "overlap_comm": "often"}}', ["zero_optimization.overlap_comm"]),
     ('[1, 2]', ["top level must be a JSON object"]),
     ('{"train_batch_size": 1000, "zero_optimization": {"stage": 2}}', ["train_batch_size=1000"]),
-])
+], ids=["trailing_comma", "stage_7", "overlap_comm_not_bool", "top_level_list", "train_batch_size_mismatch"])
 def test_bad_ds_config_json(content, must_contain, tmp_path, shared_cache):
     path = tmp_path / "ds_config.json"
     path.write_text(content)
     proc = run_train(FAST + ["strategy=deepspeed_json", f"strategy.config={path}"], tmp_path / "logs", shared_cache)
     _assert_one_line_error(proc, [str(path)] + must_contain)
+
+
+# -- unwritable output -------------------------------------------------------------------
+# We run as root, so permission bits do not stop a write; a regular file where a directory
+# must go does, for everyone.
+
+
+@pytest.mark.parametrize("where", ["hydra.run.dir", "hydra.sweep.dir", "paths.log_dir", "data.cache_dir"])
+def test_output_dir_under_a_file(where, tmp_path, shared_cache):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    log_dir = tmp_path / "logs"
+    if where == "hydra.run.dir":
+        args, needles = [f"hydra.run.dir={afile}/run"], [f"hydra.run.dir={afile}/run", f"{afile} is a file"]
+    elif where == "hydra.sweep.dir":
+        args = [f"hydra.sweep.dir={afile}/sweep", "optim.lr=1e-3,2e-3"]
+        needles = [f"hydra.sweep.dir={afile}/sweep", f"{afile} is a file"]
+    elif where == "paths.log_dir":
+        args, needles, log_dir = [], [f"paths.log_dir={afile}/logs", f"{afile} is a file"], afile / "logs"
+    else:
+        args, needles = [f"data.cache_dir={afile}/cache"], [f"data.cache_dir={afile}/cache", f"{afile} is a file"]
+    multirun = ["-m"] if where == "hydra.sweep.dir" else []  # Hydra's flag goes before the overrides
+    proc = run_train(multirun + FAST + args, log_dir, shared_cache)
+    _assert_one_line_error(proc, needles + ["valid: a writable directory"])
+    assert afile.read_text() == "keep me\n"  # nothing already there is touched
+
+
+# -- model=hf_pretrained: a local directory, read before anything is loaded --------------
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "no_config_json", "vocab_smaller_than_data"])
+def test_hf_pretrained_dir(case, tmp_path, shared_cache):
+    model_dir = tmp_path / "model"
+    if case == "missing_dir":
+        needles = [f"model.net.name_or_path={model_dir}: no such directory", "save_pretrained"]
+    else:
+        model_dir.mkdir()
+        needles = [f"model.net.name_or_path={model_dir} has no config.json", "save_pretrained"]
+    if case == "vocab_smaller_than_data":
+        (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000,
+                                                           "max_position_embeddings": 2048}))
+        needles = ["data.vocab_size=4096", "vocab_size=1000", str(model_dir / "config.json"),
+                   "valid: data.vocab_size<=1000"]
+    proc = run_train(FAST + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}"], tmp_path / "logs",
+                     shared_cache)
+    _assert_one_line_error(proc, needles)
+
+
+# -- errors found while building (after the heavy imports) ------------------------------
+
+
+def test_unknown_logger_option(tmp_path, shared_cache):
+    proc = run_train(FAST + ["+logger.csv.bogus=1"], tmp_path, shared_cache)
+    _assert_one_line_error(proc, ["logger.csv.bogus is not an option of lightning.pytorch.loggers.CSVLogger",
+                                  "valid: save_dir, name, version"])
+
+
+def test_data_file_not_utf8(tmp_path, shared_cache):
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_bytes(bytes(range(128, 256)) * 40)  # never valid UTF-8
+    proc = run_train(FAST + ["data=text_files", f"data.source.paths={garbage}", "strategy=ddp"],
+                     tmp_path / "logs", shared_cache)
+    _assert_one_line_error(proc, [f"data file {garbage} is not valid UTF-8 (byte 0)"])
+
+
+# -- in-process checks (no subprocess) --------------------------------------------------
+
+
+def test_target_in_a_missing_module_lists_what_exists():
+    from src.trainer.targets import target_problem
+
+    assert target_problem("src.models.deepseek.build_deepseek_v3") is None
+    assert target_problem("torch.optim.AdamW") is None
+    assert target_problem("lightning.pytorch.loggers.CSVLogger") is None
+    assert target_problem("src.models.nope.build") == "src.models has no 'nope'; valid: deepseek, lm_module, moe_aux"
+    assert target_problem("nosuchpkg.x").startswith("no module named 'nosuchpkg'")
+
+
+def _compose(overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def test_global_batch_size_sets_the_per_rank_batch(monkeypatch, tmp_path):
+    from src.data.corpus import SyntheticCorpus
+    from src.data.datamodule import LMDataModule
+    from src.trainer.global_batch import apply_global_batch_size
+
+    monkeypatch.setenv("PROJECT_ROOT", str(REPO))
+    cfg = _compose(["trainer=ddp_sim", "trainer.accumulate_grad_batches=2", "data.global_batch_size=32"])
+    apply_global_batch_size(cfg)
+    assert cfg.data.batch_size == 8  # 32 / (2 ranks x 2 accumulation)
+    cfg = _compose(["data.global_batch_size=null", "data.batch_size=5"])
+    apply_global_batch_size(cfg)
+    assert cfg.data.batch_size == 5  # unset: data.batch_size as given
+    # a datamodule built with an underived batch size refuses to run
+    dm = LMDataModule(SyntheticCorpus(num_tokens=5000), vocab_size=512, seq_len=16, batch_size=8,
+                      global_batch_size=16, cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="data.global_batch_size=16 but data.batch_size=8"):
+        dm.setup("fit")
+    GlobalHydra.instance().clear()
+
+
+def test_global_batch_size_and_ds_json_batch_together(tmp_path, shared_cache):
+    """A ds_config.json that fixes the batch too would fight data.global_batch_size."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    proc = run_train(FAST + ["strategy=deepspeed_json", f"strategy.config={ds}", "data.global_batch_size=8"],
+                     tmp_path / "logs", shared_cache)
+    _assert_one_line_error(proc, ["data.global_batch_size=8", f"strategy.config={ds}",
+                                  "train_micro_batch_size_per_gpu=4", "data.global_batch_size=null"])
+
+
+TEXT = "".join(f"Verse {i}: and the evening and the morning were the day number {i}.\n" for i in range(300))
+
+
+def test_corrupt_tokenizer_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
+    """A cache entry is only a cache: a damaged file in it is named in a warning and rebuilt."""
+    from src.data.corpus import TextFilesCorpus
+    from src.data.datamodule import LMDataModule
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+
+    def datamodule():
+        dm = LMDataModule(TextFilesCorpus(str(tmp_path / "corpus.txt")), vocab_size=300, seq_len=16,
+                          batch_size=2, cache_dir=str(tmp_path / "cache"))
+        dm.setup("fit")
+        return dm
+
+    good = datamodule()
+    entry = Path(good.tokenizer_dir).parent
+    tokens = np.array(good.train_dataset.tokens)
+    damage = {
+        entry / "tokenizer" / "tokenizer.json": lambda p: p.write_bytes(b"\x00not json"),
+        entry / "tokens.npy": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),  # truncated
+        entry / "meta.json": lambda p: p.write_text("{"),
+    }
+    for path, corrupt in damage.items():
+        corrupt(path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="src.data.tokenizer"):
+            rebuilt = datamodule()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0] and "rebuilding" in warnings[0], warnings
+        assert Path(rebuilt.tokenizer_dir).parent == entry
+        assert np.array_equal(np.array(rebuilt.train_dataset.tokens), tokens)
+        assert rebuilt.tokenizer.decode(rebuilt.tokenizer.encode(TEXT[:200])) == TEXT[:200]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]  # no leftovers

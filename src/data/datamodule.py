@@ -21,6 +21,7 @@ Example (conf/data/kjv.yaml)::
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ from src.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
 from src.errors import ConfigError
 
 SOURCES = "src.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
+
+log = logging.getLogger(__name__)
 
 
 class PackedBlocks(Dataset):
@@ -110,6 +113,9 @@ class LMDataModule(L.LightningDataModule):
         seed: seeds the train shuffle order (and nothing else).
         cache_dir: where tokenizers and token ids are cached, keyed by content.
         max_tokens: use only the first `max_tokens` tokens (quick runs); None = all.
+        global_batch_size: blocks per optimizer step over all ranks, or None. The trainer
+            derives `batch_size` from it before this is built (src/trainer/global_batch.py);
+            `setup` checks that the two agree with the trainer's world size and accumulation.
 
     After `setup`: `tokenizer` (PreTrainedTokenizerFast; None for synthetic),
     `tokenizer_dir`, `train_dataset`, `val_dataset` (`PackedBlocks`), `num_train_tokens`,
@@ -128,6 +134,7 @@ class LMDataModule(L.LightningDataModule):
         seed: int = 42,
         cache_dir: str | os.PathLike = ".cache/data",
         max_tokens: int | None = None,
+        global_batch_size: int | None = None,
     ):
         super().__init__()
         self.source = _as_source(source)
@@ -158,6 +165,9 @@ class LMDataModule(L.LightningDataModule):
         if max_tokens is not None:
             max_tokens = _check_int("max_tokens", max_tokens, 1, "a positive int or null")
         self.max_tokens = max_tokens
+        if global_batch_size is not None:
+            global_batch_size = _check_int("global_batch_size", global_batch_size, 1, "a positive int or null")
+        self.global_batch_size = global_batch_size
 
         self.tokenizer = None
         self.tokenizer_dir: str | None = None
@@ -201,6 +211,7 @@ class LMDataModule(L.LightningDataModule):
         n_val = max(1, round(n_blocks * self.val_fraction))
         n_train = n_blocks - n_val
         world = self.trainer.world_size if self.trainer is not None else 1
+        self._check_global_batch(world)
         if n_train < self.batch_size * world:
             ranks = f" x {world} ranks" if world > 1 else ""
             raise ConfigError(
@@ -231,16 +242,44 @@ class LMDataModule(L.LightningDataModule):
 
     # -- helpers ----------------------------------------------------------------------
 
+    def _check_global_batch(self, world: int) -> None:
+        if self.global_batch_size is None:
+            return
+        accum = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        actual = self.batch_size * world * accum
+        if actual != self.global_batch_size:
+            raise ConfigError(
+                f"data.global_batch_size={self.global_batch_size} but data.batch_size={self.batch_size} x "
+                f"world size {world} x accumulation {accum} = {actual}; valid: leave data.batch_size to be "
+                "derived from it (train.py does), or data.global_batch_size=null"
+            )
+
     def _require_setup(self) -> None:
         if self.train_dataset is None:
             self.setup("fit")
 
     def state_dict(self) -> dict[str, int]:
-        """Saved in every checkpoint: where in the epoch the data stream was."""
-        return {"batches_consumed_in_epoch": batches_consumed_in_epoch(self.trainer)}
+        """Saved in every checkpoint: where in the epoch the data stream was (per rank, and the
+        batch geometry, so a resume under another world size or batch size finds its place)."""
+        return {"batches_consumed_in_epoch": batches_consumed_in_epoch(self.trainer),
+                "world_size": self._world_size(), "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._position.skip = int(state.get("batches_consumed_in_epoch", 0))
+        skip = int(state.get("batches_consumed_in_epoch", 0))
+        old = (int(state.get("world_size", 0)), int(state.get("batch_size", 0)))
+        new = (self._world_size(), self.batch_size)
+        if all(old) and old != new:
+            # the sampler deals one global permutation out rank by rank: skip the same samples
+            samples = skip * old[0] * old[1]
+            skip = samples // (new[0] * new[1])
+            if samples % (new[0] * new[1]):
+                log.warning("resume: %d samples consumed is not a whole number of %d-rank x %d batches; "
+                            "skipping %d batches per rank", samples, new[0], new[1], skip)
+        self._position.skip = skip
+
+    def _world_size(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.world_size) if trainer is not None else 1
 
     def _loader(self, dataset: PackedBlocks, loader_cls: type = DataLoader, **kwargs) -> DataLoader:
         return loader_cls(

@@ -12,6 +12,10 @@ processes (ranks on one node, or nodes sharing a filesystem) may both build; the
 rename wins, the loser finds the target non-empty, deletes its own copy and uses the
 winner's. Nothing ever reads a `.tmp-*` directory.
 
+Corruption: an entry whose files do not load (a truncated tokens.npy, a garbled tokenizer.json
+or meta.json, a vocabulary of the wrong size) is a cache miss: it is renamed away atomically,
+deleted, rebuilt, and a warning names the bad file. Nothing else is lost: it is a cache.
+
 Runs on whichever process calls it; `LMDataModule.prepare_data` calls it on local rank 0.
 """
 
@@ -24,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -137,7 +142,11 @@ def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> Token
     root = Path(cache_dir)
     entry = root / cache_key(fingerprint, vocab_size)
     if (entry / "meta.json").is_file():
-        return TokenCache(entry)
+        problem = entry_problem(entry, vocab_size)
+        if problem is None:
+            return TokenCache(entry)
+        log.warning("data cache entry %s is corrupt (%s); rebuilding it", entry, problem)
+        _discard(entry)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=root))
@@ -158,6 +167,45 @@ def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> Token
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when our rename won
     return TokenCache(entry)
+
+
+def entry_problem(entry: Path, vocab_size: int) -> str | None:
+    """What is wrong with a complete-looking cache entry, naming the file; None if it loads.
+    Cheap (~10 ms): parses meta.json and tokenizer.json, reads the header of tokens.npy."""
+    meta_path, tok_path, tokens_path = entry / "meta.json", entry / "tokenizer" / "tokenizer.json", entry / "tokens.npy"
+    try:
+        meta = json.loads(meta_path.read_text())
+        num_tokens, dtype = int(meta["num_tokens"]), np.dtype(meta["dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{meta_path}: {type(e).__name__}: {_first_line(e)}"
+    try:
+        learned = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
+        return f"{tok_path}: {type(e).__name__}: {_first_line(e)}"
+    if learned != vocab_size:
+        return f"{tok_path}: {learned} tokens, expected {vocab_size}"
+    try:
+        tokens = np.load(tokens_path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        return f"{tokens_path}: {type(e).__name__}: {_first_line(e)}"
+    if tokens.shape != (num_tokens,) or tokens.dtype != dtype:
+        return f"{tokens_path}: {tokens.dtype}{list(tokens.shape)}, meta.json says {dtype}[{num_tokens}]"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _discard(entry: Path) -> None:
+    """Move a bad entry out of the way in one rename, then delete it. Another process may have
+    done so already (or even rebuilt it): a failed rename is fine, the build handles both."""
+    trash = entry.parent / f".tmp-corrupt-{entry.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(entry, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _build(source, fingerprint: str, vocab_size: int, out: Path) -> None:

@@ -113,8 +113,8 @@ def _unsafe_pickle(exc: BaseException) -> str | None:
 
 def _dead_rank(exc: BaseException) -> str | None:
     """Rank 0 after an exception: if a child rank died, that is the story, not our traceback."""
-    if not _is_rank_zero():
-        return None
+    if not _is_rank_zero() or "src.trainer.liveness" not in sys.modules:
+        return None  # no rank was launched yet (e.g. a bad config caught by validate_config)
     from src.trainer.liveness import dead_rank_message
 
     return dead_rank_message()

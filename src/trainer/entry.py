@@ -25,6 +25,7 @@ from src.errors import ConfigError
 from src.findings import configure_channel, get_channel
 from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
 from src.trainer.ds_config import apply_ds_json_to_cfg
+from src.trainer.global_batch import apply_global_batch_size, world_size
 from src.trainer.liveness import LivenessCallback, watch_parent
 from src.trainer.preemption import PreemptionCheckpoint
 from src.trainer.reshard import enable_universal_loading, plan_resume
@@ -36,21 +37,13 @@ from src.trainer.validate import fp16_supported, validate_config
 log = logging.getLogger(__name__)
 
 
-def world_size(cfg: DictConfig) -> int:
-    devices = cfg.trainer.devices
-    if devices in ("auto", -1):
-        import torch
-
-        devices = torch.cuda.device_count() if cfg.trainer.accelerator in ("gpu", "cuda") else 1
-    return int(devices) * int(cfg.trainer.num_nodes)
-
-
 def prepare_config(cfg: DictConfig) -> None:
     """Validate, then settle the values derived from others (ds_config.json, LR scaling)."""
     validate_config(cfg)
     if str(cfg.trainer.accelerator) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with open_dict(cfg):
+        apply_global_batch_size(cfg)  # data.global_batch_size -> per-rank data.batch_size
         apply_ds_json_to_cfg(cfg, fp16_supported(str(cfg.trainer.accelerator)))
         global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size(cfg)
         cfg.optim.optimizer.lr = scaled_lr(float(cfg.optim.lr), global_batch, cfg.optim.get("scale_lr_base_batch_size"))

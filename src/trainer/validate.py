@@ -1,19 +1,35 @@
 """Checks on the composed config that must fail before anything is built or launched.
 
-Each failure is a one-line `ConfigError` naming the key and the valid values.
+Each failure is a one-line `ConfigError` naming the key and the valid values. Nothing here
+imports torch, Lightning or transformers (except the GPU/fp16 probes), so a bad value fails
+in ~1 s. The table of bad inputs and their errors: docs/bad_inputs.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from numbers import Number
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
+from src.trainer.global_batch import check_global_batch_size
+from src.trainer.targets import check_targets
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+
+# What to give for a mandatory (`???`) value, by key.
+_REQUIRED_HINTS = {
+    "data.source.paths": "e.g. data.source.paths='corpus/*.txt' (a glob, a list of globs or a directory)",
+    "data.source.name": "e.g. data.source.name=roneneldan/TinyStories, or data.source.name=text "
+                        "data.source.data_files=corpus.txt",
+    "model.net.name_or_path": "a save_pretrained directory or a hub id, e.g. model.net.name_or_path=/path/to/model",
+    "strategy.config": "a DeepSpeed JSON file, e.g. strategy.config=examples/ds_configs/seed003_zero3.json",
+}
 
 
 def fp16_supported(accelerator: str) -> bool:
@@ -37,14 +53,19 @@ def _positive_number(value, key: str, integer: bool = False) -> None:
         raise ConfigError(f"{key} must be a {kind}, got {value!r}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate_config(cfg: DictConfig) -> None:
+    _check_required(cfg)
     _positive_number(cfg.optim.lr, "optim.lr")
     if cfg.optim.get("grad_clip") is not None and cfg.optim.grad_clip < 0:
         raise ConfigError(f"optim.grad_clip must be >= 0 or null, got {cfg.optim.grad_clip!r}")
     t = cfg.trainer
     _positive_number(t.max_steps, "trainer.max_steps", integer=True)
     _positive_number(t.accumulate_grad_batches, "trainer.accumulate_grad_batches", integer=True)
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+    if not _is_int(cfg.seed):
         raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
     precision = str(t.precision)
     if precision not in PRECISIONS:
@@ -65,6 +86,29 @@ def validate_config(cfg: DictConfig) -> None:
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.exists():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such file or directory")
+    _validate_data(cfg.data)
+    _check_model_fits_data(cfg.model, cfg.data)
+    check_global_batch_size(cfg)
+    check_targets(cfg)
+
+
+def _check_required(cfg: DictConfig) -> None:
+    """A `???` value left unset (e.g. data=text_files without data.source.paths)."""
+    missing = sorted(_missing_keys(OmegaConf.to_container(cfg, resolve=False), ""))
+    if missing:
+        key = missing[0]
+        hint = _REQUIRED_HINTS.get(key, f"e.g. {key}=<value>")
+        also = f" (also unset: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(f"{key} is required but not set{also}; give it on the command line: {hint}")
+
+
+def _missing_keys(node: Any, prefix: str) -> list[str]:
+    """Keys whose value is `???`, read without resolving any interpolation."""
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in _missing_keys(v, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in _missing_keys(v, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if node == "???" else []
 
 
 def _validate_devices(t: DictConfig) -> None:
@@ -72,6 +116,9 @@ def _validate_devices(t: DictConfig) -> None:
     valid_acc = ("cpu", "gpu", "cuda", "auto")
     if accelerator not in valid_acc:
         raise ConfigError(f"trainer.accelerator={accelerator!r} is invalid; valid: {', '.join(valid_acc)}")
+    num_nodes = t.get("num_nodes", 1)
+    if not _is_int(num_nodes) or num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes must be a positive integer, got {num_nodes!r}")
     devices = t.devices
     if accelerator in ("gpu", "cuda"):
         import torch
@@ -93,3 +140,131 @@ def _validate_devices(t: DictConfig) -> None:
             raise ConfigError(
                 f"trainer.devices={devices!r} CPU processes but this machine has {cores} core(s); valid: 1..{cores}"
             )
+
+
+def _validate_data(data: DictConfig) -> None:
+    """The sizes every other check relies on (LMDataModule checks them again, and the rest)."""
+    for key in ("vocab_size", "seq_len", "batch_size"):
+        value = data.get(key)
+        if not _is_int(value) or value < 1:  # same wording as LMDataModule's own check
+            raise ConfigError(f"data.{key} must be a positive int, got {value!r}")
+    cache_dir = data.get("cache_dir")
+    synthetic = str(data.get("source", {}).get("_target_", "")).endswith("SyntheticCorpus")
+    if isinstance(cache_dir, str) and cache_dir and not synthetic:  # synthetic data writes no cache
+        problem = dir_problem(cache_dir)
+        if problem:
+            raise ConfigError(
+                f"data.cache_dir={cache_dir}: cannot create the tokenizer cache there: {problem}; "
+                "valid: a writable directory (set data.cache_dir, paths.cache_dir or DSDEBUG_CACHE_DIR)"
+            )
+
+
+# -- the model must fit the data: positions and vocabulary ---------------------------------
+
+
+def _check_model_fits_data(model: DictConfig, data: DictConfig) -> None:
+    """data.seq_len <= the model's positions and data.vocab_size <= its embedding rows, from the
+    config alone (for model=hf_pretrained: from its config.json), before anything is built."""
+    net = model.get("net")
+    if not isinstance(net, DictConfig):
+        return
+    max_pos, model_vocab = net.get("max_position_embeddings"), net.get("vocab_size")
+    pos_name, vocab_name = "model.net.max_position_embeddings", "model.net.vocab_size"
+    pos_fix, vocab_fix = f"raise {pos_name}", f"raise {vocab_name}"
+    where = ""
+    if "name_or_path" in net:
+        loaded = pretrained_config(net.name_or_path)
+        if loaded is None:
+            return  # a hub id: checked when it is loaded
+        config, config_file = loaded
+        max_pos = config.get("max_position_embeddings", config.get("n_positions"))
+        model_vocab = config.get("vocab_size")
+        pos_name, vocab_name = "the model's max_position_embeddings", "the model's vocab_size"
+        where = f" in {config_file}"
+        pos_fix, vocab_fix = "use a model with a longer context", "use a model with a larger vocabulary"
+    if _is_int(max_pos) and data.seq_len > max_pos:
+        raise ConfigError(
+            f"data.seq_len={data.seq_len} exceeds {pos_name}={max_pos}{where}; "
+            f"valid: data.seq_len<={max_pos} (or {pos_fix})"
+        )
+    if _is_int(model_vocab) and data.vocab_size > model_vocab:
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size} exceeds {vocab_name}={model_vocab}{where} (token ids "
+            f"would index past the embedding); valid: data.vocab_size<={model_vocab} (or {vocab_fix})"
+        )
+
+
+def pretrained_config(name_or_path: Any) -> tuple[dict, Path] | None:
+    """config.json of a local save_pretrained directory; None for a hub id. A local path
+    (absolute, ./, ../ or ~) that is missing, or a directory without a readable config.json,
+    is a ConfigError naming model.net.name_or_path."""
+    name = str(name_or_path)
+    path = Path(os.path.expanduser(name))
+    if not path.exists():
+        if name.startswith(("/", "./", "../", "~")):
+            raise ConfigError(
+                f"model.net.name_or_path={name}: no such directory; valid: a save_pretrained directory "
+                "(with config.json) or a Hugging Face hub id 'org/name'"
+            )
+        return None
+    if not path.is_dir():
+        raise ConfigError(f"model.net.name_or_path={name} is a file; valid: a save_pretrained directory "
+                          "(with config.json) or a hub id")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.net.name_or_path={name} has no config.json, so it is not a save_pretrained "
+                          "directory; valid: a directory written by save_pretrained (e.g. a run's export/hf)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model.net.name_or_path: {config_file} is unreadable or not JSON ({e}); "
+                          "re-export the model with save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.net.name_or_path: {config_file} must hold a JSON object, "
+                          f"got {type(config).__name__}")
+    return config, config_file
+
+
+# -- output directories --------------------------------------------------------------------
+
+
+def dir_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be created/written as a directory (None when it can). Creates nothing.
+    Checks the nearest existing ancestor: a file there, or no write permission (read-only
+    file systems included; root passes permission bits, so a file in the way is the usual case)."""
+    target = Path(os.path.expanduser(str(path))).absolute()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():
+            return f"{probe} is a dangling symlink"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback (conf/hydra/default.yaml): the run/sweep dir can be created, checked
+    before Hydra makes it (else Hydra fails with a traceback and exit code 1)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_run_dir(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_run_dir(config, "hydra.sweep.dir")
+
+
+def _check_run_dir(config: DictConfig, key: str) -> None:
+    run_dir = str(OmegaConf.select(config, key))
+    problem = dir_problem(run_dir)
+    if problem is None:
+        return
+    from src.trainer.cli import fail
+
+    log_dir = OmegaConf.select(config, "paths.log_dir", default=None)
+    if log_dir and Path(run_dir).absolute().is_relative_to(Path(str(log_dir)).absolute()):
+        fail(f"paths.log_dir={log_dir}: cannot create the run dir {run_dir}: {problem}; "
+             "valid: a writable directory (set paths.log_dir)")
+    fail(f"{key}={run_dir}: cannot create it: {problem}; valid: a writable directory (set {key} or paths.log_dir)")
