@@ -89,3 +89,26 @@ def test_reshard_off_says_how_to_convert(tmp_path, shared_cache):
     assert proc.returncode == 2
     (line,) = error_lines(proc)
     assert "world_size=4" in line and "world_size=1" in line and "ds_to_universal" in line
+
+
+@pytest.mark.parametrize("what,strategy,words", [
+    ("text_file", "ddp", ["not a torch checkpoint"]),
+    ("torch_file", "zero2", ["single-file (DDP) checkpoint", "strategy=ddp"]),
+    ("ds_dir", "ddp", ["DeepSpeed checkpoint directory", "strategy=zero1|zero2|zero3"]),
+])
+def test_checkpoint_of_the_wrong_kind_is_one_line(what, strategy, words, tmp_path, shared_cache):
+    """Checkpoints from elsewhere (no manifest) that this run's strategy cannot load."""
+    if what == "text_file":
+        ckpt = tmp_path / "notes.ckpt"
+        ckpt.write_text("not a checkpoint\n")
+    elif what == "torch_file":
+        ckpt = tmp_path / "model.ckpt"
+        torch.save({"state_dict": {}}, ckpt)
+    else:
+        ckpt = tmp_path / "step_000002.ckpt"
+        (ckpt / "checkpoint").mkdir(parents=True)
+        (ckpt / "latest").write_text("checkpoint")
+    proc = run_train(FAST + [f"strategy={strategy}", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc)
+    assert str(ckpt) in line and all(w in line for w in words), line

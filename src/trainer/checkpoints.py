@@ -14,6 +14,7 @@ Exports (rank 0, after fit):
 from __future__ import annotations
 
 import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ def resolve_ckpt_path(cfg: Any, output_dir: Path) -> str | None:
         if has_manifest(path):
             verify_checkpoint(path)
         elif is_legacy_checkpoint(path):
+            if path.is_file() and not zipfile.is_zipfile(path):
+                raise CheckpointError(f"ckpt_path={cfg.ckpt_path}: not a torch checkpoint (not a torch.save archive)")
             log.warning("ckpt_path=%s has no manifest: loading it unverified", path)
         else:
             raise CheckpointError(

@@ -53,7 +53,20 @@ def current_layout(cfg: Any, world_size: int) -> tuple[str, int | None]:
 
 def plan_resume(cfg: Any, ckpt: str | None, output_dir: Path, world_size: int) -> tuple[str | None, bool]:
     """The path to load and whether it is a universal checkpoint."""
-    if ckpt is None or not has_manifest(Path(ckpt)):
+    if ckpt is None:
+        return None, False
+    if not has_manifest(Path(ckpt)):  # a checkpoint from elsewhere: at least the right kind?
+        kind, stage = current_layout(cfg, world_size)
+        if kind == "deepspeed" and Path(ckpt).is_file():
+            raise CheckpointError(
+                f"ckpt_path={ckpt} is a single-file (DDP) checkpoint but this run's DeepSpeed ZeRO-{stage} loads "
+                "checkpoint directories; resume it with strategy=ddp"
+            )
+        if kind == "ddp" and Path(ckpt).is_dir():
+            raise CheckpointError(
+                f"ckpt_path={ckpt} is a DeepSpeed checkpoint directory but strategy=ddp loads single files; resume "
+                "it with the DeepSpeed strategy that wrote it (strategy=zero1|zero2|zero3)"
+            )
         return ckpt, False
     saved = read_manifest(Path(ckpt))
     saved_kind = "deepspeed" if "DeepSpeed" in str(saved.get("strategy")) else "ddp"
@@ -67,7 +80,7 @@ def plan_resume(cfg: Any, ckpt: str | None, output_dir: Path, world_size: int) -
         raise CheckpointError(
             f"checkpoint {ckpt} was written by {was}, this run is {now}: optimizer state cannot move between "
             "DDP and DeepSpeed; resume with the original strategy, or start from its weights: finish or "
-            "export that run (export/hf) and train with model=hf_pretrained model.net.path=<run>/export/hf"
+            "export that run (export/hf) and train with model=hf_pretrained model.net.name_or_path=<run>/export/hf"
         )
     if (saved_stage == 3) != (stage == 3):
         raise CheckpointError(
@@ -75,7 +88,7 @@ def plan_resume(cfg: Any, ckpt: str | None, output_dir: Path, world_size: int) -
             "checkpoint loads ZeRO-3 state only from a ZeRO-3 checkpoint and ZeRO-1/2 state only from ZeRO-1/2; "
             f"resume with strategy={'zero3' if saved_stage == 3 else f'zero{saved_stage}'} (any world size), "
             "or start from its weights: export that run (export/hf) and train with model=hf_pretrained "
-            "model.net.path=<run>/export/hf"
+            "model.net.name_or_path=<run>/export/hf"
         )
     if cfg.get("resume_reshard", True) is False:
         raise CheckpointError(
