@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -103,7 +104,8 @@ def _unsafe_pickle(exc: BaseException) -> str | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, pickle.UnpicklingError):
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch bolds part of it
+            first = text.splitlines()[0][:200] if text else ""
             return (f"checkpoint refused by torch.load(weights_only=True): it holds objects other than tensors "
                     f"and plain containers ({first}); load it only if you trust its source")
         seen.add(id(exc))
@@ -118,6 +120,50 @@ def _dead_rank(exc: BaseException) -> str | None:
     from src.trainer.liveness import dead_rank_message
 
     return dead_rank_message()
+
+
+def _classify(e: Exception) -> tuple[str, int, str | None]:
+    """(status, exit code, one-line message; None = a bug: let the traceback out)."""
+    if type(e).__name__ == "StoppedByCheck":
+        return "stopped_by_check", e.exit_code, str(e)
+    dead = _dead_rank(e)
+    _summarize_findings_after_crash()
+    if dead is not None:
+        log.debug("stopped after a rank died", exc_info=True)
+        return "rank_died", 1, f"{dead}; this rank stopped too ({' '.join(str(e).split())[:160]})"
+    unsafe = _unsafe_pickle(e)
+    if unsafe is not None:
+        return "bad_input", 2, unsafe
+    config_error = find_config_error(e)
+    if config_error is not None:
+        log.debug("bad input", exc_info=True)
+        return "bad_input", 2, str(config_error)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if isinstance(e, MisconfigurationException):
+        return "bad_input", 2, f"{type(e).__name__}: {e}"
+    return "crashed", 1, None
+
+
+def _record_crash(status: str, code: int, error: str, exc: BaseException) -> None:
+    """Rank 0 leaves ``crash.json`` in the run dir: what the report of a failed run starts from."""
+    if not _is_rank_zero():
+        return
+    try:
+        import json
+        import traceback
+
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if not run_dir.is_dir():
+            return
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+        record = {"status": status, "exit_code": code, "error": " ".join(error.split()),
+                  "exception": type(exc).__name__, "traceback_tail": tb}
+        (run_dir / "crash.json").write_text(json.dumps(record, indent=1))
+    except Exception:  # noqa: BLE001 - never hide the original error
+        log.debug("could not write crash.json", exc_info=True)
 
 
 def run(cfg: Any) -> float | None:
@@ -138,24 +184,10 @@ def run(cfg: Any) -> float | None:
 
         metrics = train(cfg)
     except Exception as e:  # noqa: BLE001
-        if type(e).__name__ == "StoppedByCheck":
-            fail(str(e), code=e.exit_code)
-        dead = _dead_rank(e)
-        _summarize_findings_after_crash()
-        if dead is not None:
-            log.debug("stopped after a rank died", exc_info=True)
-            fail(f"{dead}; this rank stopped too ({' '.join(str(e).split())[:160]})", code=1)
-        unsafe = _unsafe_pickle(e)
-        if unsafe is not None:
-            fail(unsafe)
-        config_error = find_config_error(e)
-        if config_error is not None:
-            log.debug("bad input", exc_info=True)
-            fail(str(config_error))
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-        if isinstance(e, MisconfigurationException):
-            fail(f"{type(e).__name__}: {e}")
-        raise
+        status, code, message = _classify(e)
+        _record_crash(status, code, message or f"{type(e).__name__}: {e}", e)
+        if message is None:
+            raise
+        fail(message, code=code)
     value = metrics.get(cfg.get("optimized_metric"))
     return float(value) if isinstance(value, (int, float)) else None

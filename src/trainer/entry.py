@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from src.errors import ConfigError
 from src.findings import configure_channel, get_channel
 from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
+from src.report.history import HistoryLogger
 from src.trainer.ds_config import apply_ds_json_to_cfg
 from src.trainer.global_batch import apply_global_batch_size, world_size
 from src.trainer.liveness import LivenessCallback, watch_parent
@@ -70,8 +71,10 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
     loggers = instantiate_loggers(cfg.get("logger"))
+    # every scalar any logger gets also lands in <run_dir>/history.jsonl (for the report)
+    loggers.append(HistoryLogger(cfg.paths.output_dir))
     strategy = hydra.utils.instantiate(cfg.strategy)
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers)
     return datamodule, module, trainer, final_ckpt
 
 

@@ -1,0 +1,1 @@
+"""Turning a run directory into something a person reads: history, rules, report."""

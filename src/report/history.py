@@ -1,0 +1,75 @@
+"""`HistoryLogger`: every scalar any logger receives, also in ``<run_dir>/history.jsonl``.
+
+The report must not depend on which logger a user picked (TensorBoard, CSV, W&B or none), so the
+trainer always gets this Lightning logger as well. It sees what Lightning's logger connector
+sends (``self.log`` values, the LR monitor) and what the debug callbacks send with
+``logger.log_metrics`` (gradient norms, per-rank stats, comm share). Lightning calls loggers on
+rank 0 only. One JSON line per call: ``{"step": 12, "train/loss": 5.31, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+HISTORY_FILE = "history.jsonl"
+
+
+class HistoryLogger(Logger):
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__()
+        self.path = Path(run_dir) / HISTORY_FILE
+
+    @property
+    def name(self) -> str:
+        return "history"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass  # config_resolved.yaml has them
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            value = value.item() if hasattr(value, "item") else value
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[key] = float(value) if math.isfinite(value) else str(value)
+        if len(row) == 1:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(row) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def read_history(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """key -> [(step, value), ...] in logging order; non-finite values come back as nan/inf."""
+    path = Path(run_dir) / HISTORY_FILE
+    series: dict[str, list[tuple[int, float]]] = {}
+    if not path.is_file():
+        return series
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        step = row.pop("step", None)
+        for key, value in row.items():
+            try:
+                series.setdefault(key, []).append((int(step) if step is not None else -1, float(value)))
+            except (TypeError, ValueError):
+                continue
+    return series

@@ -1,0 +1,271 @@
+"""The troubleshooting tables of seed 003 ("loss not falling / oscillating, OOM, too slow -> what
+to check") and the problem list of seed 002 (NCCL timeout, unstable mixed precision, failed
+checkpoint restore) as rules over what a run recorded.
+
+Each rule reads a ``RunData`` (history.jsonl, metrics.json, findings, crash.json, config) and
+returns at most one finding (``check="advisor"``) whose message carries the evidence (numbers
+and steps) and whose advice is the table's row, in this framework's config keys.
+
+| code | fires when | evidence |
+|---|---|---|
+| ``loss_not_falling`` | train/loss after warmup falls < 1% from its first to its last quarter | both means, steps, LR |
+| ``loss_oscillating`` | after warmup, train/loss swings around its trend by > 5% of its level | swing, trend level |
+| ``loss_diverging`` | after warmup the loss ends > 50% above its minimum, or becomes NaN/inf | min, end, first bad step |
+| ``val_loss_rising`` | val/loss rose > 5% above its best (>= 3 evaluations) | best step and value, last |
+| ``out_of_memory`` | the run died of OOM (CUDA OOM, or a rank SIGKILLed) or memory > 95% of the device | error / peak |
+| ``too_slow`` | collectives > 50% of the step, data loading > 30% of the step, or fp32 on a GPU | the shares / precision |
+| ``nccl_timeout`` | the run died of a collective timeout or the hang watchdog (exit 124) | the error line |
+| ``mixed_precision_unstable`` | fp16 and steps skipped on overflow / non-finite gradients | count of such findings |
+| ``checkpoint_restore_failed`` | the run stopped on a missing, partial or corrupted checkpoint | the error line |
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from statistics import mean, pstdev
+from typing import Any
+
+from src.report.load import RunData
+
+CHECK = "advisor"
+
+
+def _finding(code: str, severity: str, message: str, advice: str, **details: Any) -> dict[str, Any]:
+    return {"check": CHECK, "severity": severity, "code": code, "message": message, "advice": advice,
+            "step": details.pop("step", None), "rank": None, "details": details}
+
+
+def warmup_steps(run: RunData) -> int:
+    sched = run.cfg("optim.scheduler") or {}
+    if not isinstance(sched, dict) or not sched:
+        return 0
+    if sched.get("warmup_steps") is not None:
+        return int(sched["warmup_steps"])
+    max_steps = run.cfg("trainer.max_steps") or run.metrics.get("global_step") or 0
+    return int(round(float(sched.get("warmup_ratio", 0.0) or 0.0) * max(int(max_steps), 0)))
+
+
+def _after_warmup(run: RunData, key: str) -> tuple[list[int], list[float]]:
+    steps, values = run.series(key)
+    w = warmup_steps(run)
+    pairs = [(s, v) for s, v in zip(steps, values) if s >= w]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _lr_text(run: RunData) -> str:
+    lr_keys = run.keys("lr")
+    if lr_keys:
+        _, values = run.series(lr_keys[0])
+        if values:
+            return f"LR peaked at {max(values):.2e}"
+    lr = run.cfg("optim.lr")
+    return f"optim.lr={lr}" if lr is not None else "LR unknown"
+
+
+def loss_not_falling(run: RunData) -> dict | None:
+    steps, loss = _after_warmup(run, "train/loss")
+    loss = [v for v in loss if math.isfinite(v)]
+    if len(loss) < 8:
+        return None
+    q = max(2, len(loss) // 4)
+    head, tail = mean(loss[:q]), mean(loss[-q:])
+    drop = (head - tail) / abs(head) if head else 0.0
+    if drop >= 0.01:
+        return None
+    return _finding(
+        "loss_not_falling", "warning",
+        f"train/loss went {head:.4f} -> {tail:.4f} ({-drop:+.1%}) over steps {steps[0]}-{steps[-1]} after warmup; "
+        f"{_lr_text(run)}",
+        "check the learning rate is not too small (optim.lr; lr=0 in a param group is caught by freeze_verify), "
+        "the data format (debug=data prints the first batch: labels must be the inputs shifted by one), and the "
+        "tokenizer (data.vocab_size, special tokens, chat template)",
+        head=head, tail=tail, first_step=steps[0], last_step=steps[-1],
+    )
+
+
+def _trend(values: list[float], window: int = 5) -> list[float]:
+    half = window // 2
+    return [mean(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
+
+
+def loss_oscillating(run: RunData) -> dict | None:
+    steps, loss = _after_warmup(run, "train/loss")
+    if len(loss) < 8 or not all(math.isfinite(v) for v in loss):
+        return None
+    trend = _trend(loss)
+    resid = [v - t for v, t in zip(loss, trend)]
+    level = mean(abs(v) for v in loss)
+    swing = pstdev(resid)
+    if level == 0 or swing / level <= 0.05:
+        return None
+    return _finding(
+        "loss_oscillating", "warning",
+        f"after warmup train/loss swings ±{2 * swing:.3f} around its trend ({swing / level:.0%} of its level "
+        f"{level:.3f}) over steps {steps[0]}-{steps[-1]}; {_lr_text(run)}",
+        "lower the learning rate (optim.lr), lengthen warmup (optim.scheduler.warmup_ratio), or use a larger batch "
+        "(trainer.accumulate_grad_batches, data.global_batch_size)",
+        swing=swing, level=level,
+    )
+
+
+def loss_diverging(run: RunData) -> dict | None:
+    steps, loss = _after_warmup(run, "train/loss")
+    if len(loss) < 4:
+        return None
+    bad = [s for s, v in zip(steps, loss) if not math.isfinite(v)]
+    finite = [v for v in loss if math.isfinite(v)]
+    if bad:
+        message = f"train/loss became non-finite at step {bad[0]} ({len(bad)} of {len(loss)} logged steps)"
+    else:
+        low, end = min(finite), mean(finite[-3:])
+        if end <= 1.5 * low:
+            return None
+        message = f"train/loss fell to {low:.4f} then rose to {end:.4f} by step {steps[-1]}"
+    return _finding(
+        "loss_diverging", "error", f"{message}; {_lr_text(run)}",
+        "lower the peak learning rate (optim.lr), keep gradient clipping on (optim.grad_clip=1.0), and run "
+        "debug=grads to see which layer's gradients blow up first",
+        step=bad[0] if bad else None,
+    )
+
+
+def val_loss_rising(run: RunData) -> dict | None:
+    steps, val = run.series("val/loss")
+    pairs = [(s, v) for s, v in zip(steps, val) if math.isfinite(v)]
+    if len(pairs) < 3:
+        return None
+    best_step, best = min(pairs, key=lambda p: p[1])
+    last_step, last = pairs[-1]
+    if last_step == best_step or last <= 1.05 * best:
+        return None
+    return _finding(
+        "val_loss_rising", "warning",
+        f"val/loss was best at step {best_step} ({best:.4f}) and is {last:.4f} at step {last_step} "
+        f"({last / best - 1:+.1%})",
+        f"overfitting: keep the checkpoint nearest step {best_step}, stop earlier, or add data / regularization "
+        "(optim.optimizer.weight_decay)",
+        best_step=best_step, best=best, last=last,
+    )
+
+
+_OOM = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc|Cannot allocate memory",
+                  re.IGNORECASE)
+
+
+def out_of_memory(run: RunData) -> dict | None:
+    text = _crash_text(run)
+    evidence = None
+    if _OOM.search(text):
+        evidence = f"the run died: {_first_line(text)}"
+    else:
+        killed = [f for f in run.findings if f.get("code") == "rank_died" and "SIGKILL" in f.get("message", "")]
+        if killed:
+            evidence = f"{killed[0]['message']} (the kernel OOM killer sends SIGKILL)"
+    frac_keys = [k for k in run.history if k.endswith("mem_frac_max")]
+    if evidence is None and frac_keys:
+        _, values = run.series(frac_keys[0])
+        if values and max(values) > 0.95:
+            evidence = f"peak memory {max(values):.0%} of the device"
+    if evidence is None:
+        return None
+    return _finding(
+        "out_of_memory", "error", evidence,
+        "use a smaller data.batch_size (keep the global batch with trainer.accumulate_grad_batches), a shorter "
+        "data.seq_len, activation checkpointing, a higher ZeRO stage (strategy=zero3) or CPU offload "
+        "(strategy=zero3_offload)",
+    )
+
+
+def too_slow(run: RunData) -> dict | None:
+    reasons = []
+    _, comm = run.series("comm/share")
+    if len(comm) >= 3 and mean(comm) > 0.5:
+        reasons.append(f"collectives take {mean(comm):.0%} of the step")
+    _, data = run.series("time/data_fraction")
+    if data and max(data) > 0.3:
+        reasons.append(f"data loading takes {max(data):.0%} of the step")
+    precision = str(run.metrics.get("precision") or run.cfg("trainer.precision") or "")
+    accelerator = str(run.cfg("trainer.accelerator") or "")
+    if accelerator in ("gpu", "cuda") and precision.startswith("32"):
+        reasons.append(f"trainer.precision={precision} on a GPU")
+    if not reasons:
+        return None
+    return _finding(
+        "too_slow", "warning", "; ".join(reasons),
+        "train in bf16 (trainer.precision=bf16-mixed), pack sequences (the default data module packs), use a "
+        "larger micro-batch per rank; for communication: overlap_comm, larger reduce_bucket_size, bf16 "
+        "communication (see docs/debugging.md); for data: data.num_workers>0, pin_memory",
+        reasons=reasons,
+    )
+
+
+_TIMEOUT = re.compile(r"timed? ?out|Watchdog caught collective|NCCL.*timeout|hang watchdog|DistBackendError",
+                      re.IGNORECASE)
+
+
+def nccl_timeout(run: RunData) -> dict | None:
+    text = _crash_text(run)
+    exit_code = (run.crash or {}).get("exit_code")
+    hung = [f for f in run.findings if f.get("code") in ("hang", "hang_detected", "collective_timeout")]
+    if not (_TIMEOUT.search(text) or exit_code == 124 or hung):
+        return None
+    evidence = _first_line(text) or (hung[0]["message"] if hung else f"exit code {exit_code}")
+    return _finding(
+        "nccl_timeout", "error", f"a collective timed out or hung: {evidence}",
+        "rerun with debug=comm and NCCL_DEBUG=INFO, TORCH_NCCL_BLOCKING_WAIT=1 (NCCL_BLOCKING_WAIT=1 on older "
+        "torch), TORCH_NCCL_ASYNC_ERROR_HANDLING=1; the flight-recorder dump names the collective each rank was in",
+    )
+
+
+def mixed_precision_unstable(run: RunData) -> dict | None:
+    precision = str(run.metrics.get("precision") or run.cfg("trainer.precision") or "")
+    if not precision.startswith("16"):
+        return None
+    bad = [f for f in run.findings if f.get("code") in ("nonfinite_grad", "nonfinite_loss", "overflow_skip")]
+    if not bad:
+        return None
+    return _finding(
+        "mixed_precision_unstable", "warning",
+        f"{len(bad)} non-finite loss/gradient finding(s) under trainer.precision={precision}, first at step "
+        f"{bad[0].get('step')}",
+        "prefer bf16-mixed where the hardware has it; with fp16 keep dynamic loss scaling "
+        "(loss_scale_window=1000 in ds_config), Adam eps=1e-8, and gradient accumulation",
+        count=len(bad),
+    )
+
+
+_CKPT = re.compile(r"checkpoint", re.IGNORECASE)
+
+
+def checkpoint_restore_failed(run: RunData) -> dict | None:
+    text = _crash_text(run)
+    if not (run.cfg("ckpt_path") or run.cfg("resume")) or not _CKPT.search(text):
+        return None
+    return _finding(
+        "checkpoint_restore_failed", "error", f"resuming failed: {_first_line(text)}",
+        "keep checkpoints on shared storage (NFS/Ceph) rather than a node's local disk, keep a second copy, and "
+        "use resume=latest_valid to fall back to the newest checkpoint that verifies",
+    )
+
+
+def _crash_text(run: RunData) -> str:
+    if run.crash is None:
+        return ""
+    return " ".join(str(run.crash.get(k) or "") for k in ("error", "exception"))
+
+
+def _first_line(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
+RULES: list[Callable[[RunData], dict | None]] = [
+    loss_not_falling, loss_oscillating, loss_diverging, val_loss_rising, out_of_memory, too_slow,
+    nccl_timeout, mixed_precision_unstable, checkpoint_restore_failed,
+]
+
+
+def evaluate(run: RunData) -> list[dict[str, Any]]:
+    """Every rule that fires, in table order."""
+    return [f for f in (rule(run) for rule in RULES) if f is not None]
