@@ -252,6 +252,16 @@ class HangWatchdog:
                 _reap_children(self.grace_s)
         except Exception:  # noqa: BLE001
             log.exception("comm_debug: cleanup before exit failed")
+        if self.rank == 0:  # the report of a hung run, as for any other ending
+            try:
+                crash = {"status": "hang", "exit_code": HANG_EXIT_CODE, "exception": "HangWatchdog",
+                         "error": f"hang watchdog: no training progress; stacks in {self.run_dir}/hang_rank<r>.txt"}
+                (Path(self.run_dir) / "crash.json").write_text(json.dumps(crash, indent=1))
+                from src.report.finish import finish_run
+
+                finish_run(self.run_dir)
+            except Exception:  # noqa: BLE001
+                log.exception("comm_debug: the report of the hung run failed")
         for handler in logging.getLogger().handlers:
             try:
                 handler.flush()

@@ -18,7 +18,8 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-HISTORY_FILE = "history.jsonl"
+# read_history lives in load.py so that reading a run (python -m src.report) never imports lightning/torch
+from src.report.load import HISTORY_FILE, read_history  # noqa: E402,F401  (public here too)
 
 
 class HistoryLogger(Logger):
@@ -53,23 +54,3 @@ class HistoryLogger(Logger):
             os.write(fd, (json.dumps(row) + "\n").encode())
         finally:
             os.close(fd)
-
-
-def read_history(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """key -> [(step, value), ...] in logging order; non-finite values come back as nan/inf."""
-    path = Path(run_dir) / HISTORY_FILE
-    series: dict[str, list[tuple[int, float]]] = {}
-    if not path.is_file():
-        return series
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        step = row.pop("step", None)
-        for key, value in row.items():
-            try:
-                series.setdefault(key, []).append((int(step) if step is not None else -1, float(value)))
-            except (TypeError, ValueError):
-                continue
-    return series

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from src.report.history import read_history
-
 CRASH_FILE = "crash.json"
+HISTORY_FILE = "history.jsonl"
 
 
 @dataclass
@@ -50,6 +49,61 @@ def _json(path: Path) -> Any:
         return None
 
 
+def read_history(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """key -> [(step, value), ...] in logging order; non-finite values come back as nan/inf."""
+    path = Path(run_dir) / HISTORY_FILE
+    series: dict[str, list[tuple[int, float]]] = {}
+    if not path.is_file():
+        return series
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if not isinstance(row, dict):
+            continue
+        step = row.pop("step", None)
+        for key, value in row.items():
+            try:
+                series.setdefault(key, []).append((int(step) if step is not None else -1, float(value)))
+            except (TypeError, ValueError):
+                continue
+    return series
+
+
+def read_overrides(run_dir: str | Path) -> list[str] | None:
+    """The command's overrides (``.hydra/overrides.yaml``); None when absent or unreadable."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    try:
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # noqa: BLE001 - missing or cut file
+        return None
+    return [str(v) for v in value] if isinstance(value, list) else None
+
+
+def read_repro(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """rank -> ``repro/rank<r>.json`` (per-rank seeds, env, flags, versions, RNG digests)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(run_dir, "repro").glob("rank*.json")):
+        record = _json(path)
+        suffix = path.stem[len("rank"):]
+        if isinstance(record, dict) and suffix.isdigit():
+            out[int(suffix)] = record
+    return out
+
+
+def read_top_ops(run_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """file stem -> ``profiler/top_ops_*.json`` ({"sort_by": ..., "rows": [...]})."""
+    out = {}
+    for path in sorted(Path(run_dir, "profiler").glob("top_ops_*.json")):
+        record = _json(path)
+        if isinstance(record, dict) and isinstance(record.get("rows"), list):
+            out[path.stem] = record
+    return out
+
+
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     config: dict[str, Any] = {}
@@ -57,16 +111,23 @@ def load_run(run_dir: str | Path) -> RunData:
     if cfg_path.is_file():
         from omegaconf import OmegaConf
 
-        config = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False) or {}
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
+        except Exception:  # noqa: BLE001 - a file cut by a crash: report what else is there
+            loaded = None
+        config = loaded if isinstance(loaded, dict) else {}
     findings = []
     fpath = run_dir / "findings.jsonl"
     if fpath.is_file():
-        for line in fpath.read_text().splitlines():
+        for line in fpath.read_text(errors="replace").splitlines():
             try:
-                findings.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(record, dict):
+                findings.append(record)
+    metrics, crash = _json(run_dir / "metrics.json"), _json(run_dir / CRASH_FILE)
     return RunData(
-        path=run_dir, config=config, metrics=_json(run_dir / "metrics.json") or {}, findings=findings,
-        history=read_history(run_dir), crash=_json(run_dir / CRASH_FILE),
+        path=run_dir, config=config, metrics=metrics if isinstance(metrics, dict) else {}, findings=findings,
+        history=read_history(run_dir), crash=crash if isinstance(crash, dict) else None,
     )

@@ -146,7 +146,7 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
 
 
 def _record_crash(status: str, code: int, error: str, exc: BaseException) -> None:
-    """Rank 0 leaves ``crash.json`` in the run dir: what the report of a failed run starts from."""
+    """Rank 0 leaves ``crash.json`` in the run dir, then the report of the failed run."""
     if not _is_rank_zero():
         return
     try:
@@ -164,6 +164,11 @@ def _record_crash(status: str, code: int, error: str, exc: BaseException) -> Non
         (run_dir / "crash.json").write_text(json.dumps(record, indent=1))
     except Exception:  # noqa: BLE001 - never hide the original error
         log.debug("could not write crash.json", exc_info=True)
+        return
+    if status != "bad_input" and "src.trainer.entry" in sys.modules:  # a run that got going
+        from src.report.finish import finish_run
+
+        finish_run(run_dir)
 
 
 def run(cfg: Any) -> float | None:
@@ -183,6 +188,9 @@ def run(cfg: Any) -> float | None:
         from src.trainer.entry import train
 
         metrics = train(cfg)
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
+        _record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)
+        raise
     except Exception as e:  # noqa: BLE001
         status, code, message = _classify(e)
         _record_crash(status, code, message or f"{type(e).__name__}: {e}", e)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from src.errors import ConfigError
 from src.findings import configure_channel, get_channel
 from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
+from src.report.finish import finish_run
 from src.report.history import HistoryLogger
 from src.trainer.ds_config import apply_ds_json_to_cfg
 from src.trainer.global_batch import apply_global_batch_size, world_size
@@ -119,6 +120,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf)
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
         _print_summary(metrics, output_dir)
         channel.print_summary()
     if channel.stop_request is not None:

@@ -1,0 +1,247 @@
+"""The report's figures: each reads a ``RunData`` and returns PNG bytes, or None when the run did
+not record what the figure needs (the report then names the preset that records it).
+
+Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas directly: no pyplot, no
+global backend switch, no display needed, safe to call inside a training process.
+
+| figure | history keys | recorded by |
+|---|---|---|
+| ``loss`` | ``train/loss``, ``val/loss``, ``lr-*`` (twin axis) | always |
+| ``grad_norms`` | ``grad/norm/<layer>`` (heatmap layer x step) | ``debug=grads`` |
+| ``rank_step_time`` | ``ranks/step_time_{min,mean,max}`` (band) | ``debug=logs`` |
+| ``rank_memory`` | ``ranks/mem_mb_{min,mean,max}`` (band) | ``debug=logs`` |
+| ``moe_load`` | ``moe/load_imbalance``; heatmap of ``moe/load/<layer>/<expert>``-style keys if present | MoE models |
+| ``comm_compute`` | stacked: ``ranks/{comm,compute}_time_mean``, else ``comm/share``, else ``time/<phase>_ms`` |
+|   | (first found) | ``debug=logs`` / ``comm`` / ``profile`` |
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+
+from src.report.load import RunData
+
+_PHASES = ("data", "forward", "backward", "optimizer")
+_GRAD_SKIP = {"grad/norm/global"}
+
+
+def _figure(width: float = 7.5, height: float = 3.4):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=90)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _finite(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
+    pairs = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def loss(run: RunData) -> bytes | None:
+    train, val = _finite(*run.series("train/loss")), _finite(*run.series("val/loss"))
+    if not train[0] and not val[0]:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(111)
+    if train[0]:
+        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2)
+    if val[0]:
+        ax.plot(*val, label="val/loss", color="tab:orange", marker="o", ms=3, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    lines, labels = ax.get_legend_handles_labels()
+    lr_keys = [k for k in run.keys("lr") if run.history[k]]
+    if lr_keys:
+        ax2 = ax.twinx()
+        for key in lr_keys[:3]:
+            ax2.plot(*run.series(key), ls="--", lw=0.9, label=key)
+        ax2.set_ylabel("learning rate")
+        more_lines, more_labels = ax2.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    ax.legend(lines, labels, fontsize=7, loc="upper right")
+    ax.set_title("loss and learning rate")
+    return _png(fig)
+
+
+def _heatmap(run: RunData, keys: list[str], title: str, label: str, log_scale: bool) -> bytes | None:
+    steps = sorted({s for k in keys for s, _ in run.history[k]})
+    if not steps:
+        return None
+    col = {s: i for i, s in enumerate(steps)}
+    import numpy as np
+
+    grid = np.full((len(keys), len(steps)), np.nan)
+    for row, key in enumerate(keys):
+        for s, v in run.history[key]:
+            if math.isfinite(v):
+                grid[row, col[s]] = math.log10(v) if log_scale and v > 0 else (v if not log_scale else np.nan)
+    fig = _figure(7.5, max(2.4, 0.9 + 0.22 * len(keys)))
+    ax = fig.add_subplot(111)
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([k.split("/", 2)[-1] for k in keys], fontsize=6)
+    ticks = list(range(0, len(steps), max(1, len(steps) // 8)))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(steps[i]) for i in ticks], fontsize=7)
+    ax.set_xlabel("step")
+    fig.colorbar(image, ax=ax, label=label)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def grad_norms(run: RunData) -> bytes | None:
+    keys = [k for k in run.keys("grad/norm/") if k not in _GRAD_SKIP and run.history[k]]
+    if not keys:
+        return None
+    return _heatmap(run, keys, "gradient norm per layer", "log10 L2 norm", log_scale=True)
+
+
+def _band(run: RunData, stat: str, title: str, unit: str) -> bytes | None:
+    series = {part: _finite(*run.series(f"ranks/{stat}_{part}")) for part in ("min", "mean", "max")}
+    if not series["mean"][0]:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(111)
+    lo, hi = series["min"], series["max"]
+    steps, mid = series["mean"]
+    if len(steps) < 3 and lo[0] == steps and hi[0] == steps:  # too few points for a band: error bars
+        ax.errorbar(steps, mid, yerr=[[m - v for m, v in zip(mid, lo[1])], [v - m for m, v in zip(mid, hi[1])]],
+                    fmt="o", color="tab:blue", capsize=5, label="mean, min..max over ranks")
+    else:
+        if lo[0] and hi[0] and lo[0] == hi[0]:
+            ax.fill_between(lo[0], lo[1], hi[1], alpha=0.3, color="tab:blue", label="min..max over ranks")
+        ax.plot(steps, mid, color="tab:blue", marker="o" if len(steps) < 12 else None, ms=3, label="mean over ranks")
+    slow = _finite(*run.series(f"ranks/{stat}_max_rank"))
+    if slow[1]:
+        ax.set_title(f"{title} (max held most often by rank {max(set(slow[1]), key=slow[1].count):.0f})")
+    else:
+        ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def rank_step_time(run: RunData) -> bytes | None:
+    return _band(run, "step_time", "step time per rank", "s")
+
+
+def rank_memory(run: RunData) -> bytes | None:
+    return _band(run, "mem_mb", "memory per rank", "MB")
+
+
+def moe_load(run: RunData) -> bytes | None:
+    per_expert = [k for k in run.keys("moe/") if k != "moe/load_imbalance" and "load" in k and run.history[k]]
+    if len(per_expert) > 1:
+        return _heatmap(run, per_expert, "MoE expert load", "share of tokens", log_scale=False)
+    steps, values = _finite(*run.series("moe/load_imbalance"))
+    if not steps:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(111)
+    ax.plot(steps, values, color="tab:purple", label="moe/load_imbalance")
+    ax.axhline(1.0, color="grey", ls=":", lw=0.8, label="balanced")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert share x E")
+    ax.set_title("MoE expert load imbalance")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _stack(steps: list[int], layers: dict[str, list[float]], title: str, unit: str) -> bytes:
+    fig = _figure()
+    ax = fig.add_subplot(111)
+    if len(steps) <= 12:  # a few logged steps: stacked bars (a stackplot of one step is invisible)
+        bottom = [0.0] * len(steps)
+        for label, values in layers.items():
+            ax.bar(steps, values, bottom=bottom, label=label, alpha=0.8)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    else:
+        ax.stackplot(steps, *layers.values(), labels=list(layers), alpha=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper right")
+    return _png(fig)
+
+
+def _aligned(run: RunData, keys: list[str]) -> tuple[list[int], list[list[float]]]:
+    """Steps where every key has a finite value, and the values per key."""
+    maps = [{s: v for s, v in zip(*_finite(*run.series(k)))} for k in keys]
+    steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
+    return steps, [[m[s] for s in steps] for m in maps]
+
+
+def comm_compute(run: RunData) -> bytes | None:
+    steps, (comm, compute) = _aligned(run, ["ranks/comm_time_mean", "ranks/compute_time_mean"])
+    if steps:
+        return _stack(steps, {"collectives": comm, "compute": compute}, "comm vs compute (mean over ranks)", "s")
+    steps, values = _aligned(run, ["comm/share"])
+    if steps:
+        share = [min(max(v, 0.0), 1.0) for v in values[0]]
+        return _stack(steps, {"collectives": share, "rest of the step": [1 - v for v in share]},
+                      "comm share of the step (rank 0)", "share")
+    phases = [p for p in _PHASES if run.history.get(f"time/{p}_ms")]
+    steps, values = _aligned(run, [f"time/{p}_ms" for p in phases])
+    if phases and steps:
+        return _stack(steps, dict(zip(phases, values)), "step time by phase (profiler)", "ms")
+    return None
+
+
+# name -> (title, figure, how to record it when missing)
+FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str]] = {
+    "loss": ("Loss and learning rate", loss,
+             "no train/loss in history.jsonl (the run stopped before its first logged step, or predates it)"),
+    "grad_norms": ("Gradient norm per layer", grad_norms, "enable debug=grads (grad_monitor)"),
+    "rank_step_time": ("Step time per rank", rank_step_time, "enable debug=logs (log_sync)"),
+    "rank_memory": ("Memory per rank", rank_memory, "enable debug=logs (log_sync)"),
+    "moe_load": ("MoE expert load", moe_load, "moe/load_imbalance is logged by MoE models only"),
+    "comm_compute": ("Communication vs compute", comm_compute,
+                     "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler)"),
+}
+
+
+def loss_overlay(runs: dict[str, RunData]) -> bytes | None:
+    """train/loss (solid) and val/loss (dashed) of several runs on one axis (compare)."""
+    fig = _figure()
+    ax = fig.add_subplot(111)
+    drawn = False
+    for i, (name, run) in enumerate(runs.items()):
+        color = f"C{i}"
+        for key, style in (("train/loss", "-"), ("val/loss", "--")):
+            steps, values = _finite(*run.series(key))
+            if steps:
+                ax.plot(steps, values, ls=style, color=color, lw=1.1, label=f"{name} {key}")
+                drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss curves")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def bars(labels: list[str], values: list[float], title: str, ylabel: str) -> bytes | None:
+    pairs = [(lab, v) for lab, v in zip(labels, values) if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not pairs:
+        return None
+    fig = _figure(7.5, 3.2)
+    ax = fig.add_subplot(111)
+    ax.bar(range(len(pairs)), [v for _, v in pairs], color="tab:blue")
+    ax.set_xticks(range(len(pairs)))
+    ax.set_xticklabels([lab for lab, _ in pairs], fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _png(fig)

@@ -1,0 +1,191 @@
+"""`write_report(run_dir)`: ``report.html`` (self-contained) and ``report.md`` (+ ``report_files/``).
+
+Sections: run summary, findings by severity (the run's own and the advisor rules'), figures,
+profiler top ops, environment across ranks (mismatches highlighted), resolved config. A run that
+crashed leaves partial files: each section is built on its own and a section that fails says so
+in the report instead of taking the report down.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from src.report import plots, rules
+from src.report.doc import Document
+from src.report.load import RunData, load_run, read_overrides, read_repro, read_top_ops
+
+log = logging.getLogger(__name__)
+
+SEVERITY_ORDER = ("error", "warning", "info")
+_REPRO_SKIP = {"rank", "rng_state_file"}  # differ by design
+TOP_OPS_ROWS = 15
+
+
+def command(run: RunData) -> str:
+    overrides = read_overrides(run.path)
+    if overrides is None:
+        return "unknown (no .hydra/overrides.yaml)"
+    return " ".join(["python train.py", *overrides])
+
+
+def all_findings(run: RunData) -> list[dict[str, Any]]:
+    """The run's findings plus the advisor rules' that the run did not record already."""
+    seen = {(f.get("check"), f.get("code")) for f in run.findings}
+    try:
+        extra = [f for f in rules.evaluate(run) if (f["check"], f["code"]) not in seen]
+    except Exception:  # noqa: BLE001 - rules over a partial run must not hide the rest
+        log.warning("report: advisor rules failed", exc_info=True)
+        extra = []
+    return list(run.findings) + extra
+
+
+def last_value(run: RunData, key: str) -> float | None:
+    if isinstance(run.metrics.get(key), (int, float)):
+        return float(run.metrics[key])
+    _, values = run.series(key)
+    return values[-1] if values else None
+
+
+def _summary(doc: Document, run: RunData) -> None:
+    m = run.metrics
+    steps = m.get("global_step")
+    if steps is None:
+        logged = [s for points in run.history.values() for s, _ in points]
+        steps = f"{max(logged)} (last logged; no metrics.json)" if logged else "unknown"
+    strategy = m.get("strategy") or run.cfg("strategy._target_") or "unknown"
+    stage = m.get("zero_stage", run.cfg("strategy.stage"))
+    world = m.get("world_size")
+    if world is None:
+        devices, nodes = run.cfg("trainer.devices"), run.cfg("trainer.num_nodes", 1)
+        world = f"{devices} x {nodes} node(s) (configured)" if devices is not None else "unknown"
+    status = run.status
+    pairs = [("command", command(run)), ("run dir", str(run.path)),
+             ("status", status if status in ("completed", "preempted") else f"!{status}"),
+             ("strategy", f"{strategy}" + (f" (ZeRO stage {stage})" if stage is not None else "")),
+             ("world size", world), ("precision", m.get("precision") or run.cfg("trainer.precision") or "unknown"),
+             ("steps", steps), ("time", f"{m['time_s']} s" if m.get("time_s") is not None else "unknown")]
+    for key in ("train/loss", "val/loss", "val/loss_at_start"):
+        value = last_value(run, key)
+        if value is not None:
+            pairs.append((key, f"{value:.4f}"))
+    if run.crash is not None:
+        pairs.append(("exit code", f"!{run.crash.get('exit_code')}"))
+        pairs.append(("error", f"!{run.crash.get('error') or run.crash.get('exception') or 'unknown'}"))
+    doc.fields(pairs)
+    tail = (run.crash or {}).get("traceback_tail")
+    if tail:
+        doc.details("traceback (tail)", tail if isinstance(tail, str) else "\n".join(map(str, tail)))
+
+
+def _findings(doc: Document, run: RunData) -> None:
+    found = all_findings(run)
+    if not found:
+        doc.note("no findings: no check reported anything (debug=light or debug=full enables more checks)")
+        return
+    counts = {s: sum(1 for f in found if f.get("severity") == s) for s in SEVERITY_ORDER}
+    doc.para(", ".join(f"{n} {s}" for s, n in counts.items()))
+    groups = [(s, [f for f in found if f.get("severity") == s]) for s in SEVERITY_ORDER]
+    groups.append(("other", [f for f in found if f.get("severity") not in SEVERITY_ORDER]))
+    for severity, group in groups:
+        if not group:
+            continue
+        doc.heading(f"{severity} ({len(group)})", 3)
+        rows = [[f"{f.get('check')}/{f.get('code')}", f.get("step"),
+                 "all" if f.get("rank") is None else f.get("rank"), f.get("message"), f.get("advice")]
+                for f in group]
+        doc.table(["check/code", "step", "rank", "message", "advice"], rows, [severity] * len(rows))
+
+
+def _figures(doc: Document, run: RunData) -> None:
+    for name, (title, figure, hint) in plots.FIGURES.items():
+        doc.heading(title, 3)
+        try:
+            png = figure(run)
+        except Exception as exc:  # noqa: BLE001 - odd data in one series must not cost the others
+            log.warning("report: figure %s failed", name, exc_info=True)
+            doc.note(f"could not draw: {type(exc).__name__}: {exc}")
+            continue
+        if png is None:
+            doc.note(f"not recorded: {hint}")
+        else:
+            doc.image(name, title, png)
+
+
+def _top_ops(doc: Document, run: RunData) -> None:
+    tables = read_top_ops(run.path)
+    if not tables:
+        doc.note("not recorded: enable debug=profile (profiler)")
+        return
+    for stem, record in tables.items():
+        rows = [r for r in record["rows"] if isinstance(r, dict)][:TOP_OPS_ROWS]
+        doc.heading(f"{stem} (sorted by {record.get('sort_by', '?')})", 3)
+        headers = list(dict.fromkeys(k for r in rows for k in r))
+        doc.table(headers, [[r.get(h) for h in headers] for r in rows])
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out if out or not prefix else {prefix: {}}
+    return {prefix: node}
+
+
+def _env(doc: Document, run: RunData) -> None:
+    repro = read_repro(run.path)
+    if not repro:
+        doc.note("not recorded: enable debug=repro (reproducibility writes repro/rank<r>.json)")
+        return
+    ranks = sorted(repro)
+    flat = {r: {k: v for k, v in flatten(repro[r]).items() if k not in _REPRO_SKIP} for r in ranks}
+    keys = sorted(set().union(*(set(f) for f in flat.values())))
+    rows, classes, mismatched = [], [], []
+    for key in keys:
+        values = [flat[r].get(key, "(absent)") for r in ranks]
+        differ = len({repr(v) for v in values}) > 1
+        if differ:
+            mismatched.append(key)
+        rows.append([key, *values])
+        classes.append("mismatch" if differ else "")
+    if len(ranks) > 1:
+        doc.para(f"{len(ranks)} ranks; " + (f"differ in: {', '.join(mismatched)}" if mismatched
+                                             else "identical on every rank"), "bad" if mismatched else "ok")
+    doc.table(["key", *(f"rank {r}" for r in ranks)], rows, classes)
+
+
+def _config(doc: Document, run: RunData) -> None:
+    path = Path(run.path) / "config_resolved.yaml"
+    if not path.is_file():
+        doc.note("not recorded: config_resolved.yaml is missing (the run stopped before composing it)")
+        return
+    doc.details("config_resolved.yaml", path.read_text(errors="replace"))
+
+
+SECTIONS = [("Run summary", _summary), ("Findings", _findings), ("Figures", _figures),
+            ("Profiler: top ops", _top_ops), ("Environment across ranks", _env), ("Resolved config", _config)]
+
+
+def build(run: RunData) -> Document:
+    doc = Document(f"Run report: {Path(run.path).name}")
+    for title, section in SECTIONS:
+        doc.heading(title)
+        try:
+            section(doc, run)
+        except Exception as exc:  # noqa: BLE001 - a partial run dir still gets every other section
+            log.warning("report: section %r failed", title, exc_info=True)
+            doc.note(f"this section could not be built: {type(exc).__name__}: {exc}")
+    return doc
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``report.html`` and ``report.md`` into the run dir; returns their paths."""
+    run_dir = Path(run_dir)
+    try:
+        run = load_run(run_dir)
+    except Exception:  # noqa: BLE001
+        log.warning("report: could not read %s", run_dir, exc_info=True)
+        run = RunData(path=run_dir)
+    return build(run).write(run_dir, "report")
