@@ -19,6 +19,7 @@ Logged metrics:
 | ``train/aux_loss`` | MoE load-balancing loss (1.0 = perfectly balanced), if the net has routers |
 | ``train/loss_total`` | what is back-propagated: loss + coef * aux_loss |
 | ``moe/load_imbalance`` | busiest expert's share x num_experts (1 = balanced, E/k = collapsed) |
+| ``moe/load/L<i>/E<e>`` | share of routed tokens of expert e in MoE layer i (logged at log_every_n_steps) |
 | ``val/loss`` | validation cross-entropy, mean over ranks; also recorded at step 0 (sanity check) |
 | ``val/ppl`` | exp(val/loss) |
 """
@@ -77,7 +78,8 @@ class CausalLMModule(L.LightningModule):
                 experts, top_k = self.router_capture.num_experts, self.router_capture.top_k
                 aux = load_balancing_loss(records, experts, top_k)
                 # max expert share x E: 1.0 = perfectly balanced, E/k = collapsed
-                self._load_imbalance = expert_load_fractions(records, experts).max() * experts
+                self._expert_load = expert_load_fractions(records, experts)  # [layers, experts]
+                self._load_imbalance = self._expert_load.max() * experts
         # next-token prediction: position t predicts token t+1; fp32 softmax for stability
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)).float(),
@@ -94,7 +96,14 @@ class CausalLMModule(L.LightningModule):
             self.log("train/aux_loss", aux.detach(), on_step=True)
             self.log("train/loss_total", total.detach(), on_step=True)
             self.log("moe/load_imbalance", self._load_imbalance, on_step=True)
+            if self._logs_this_step():  # per layer and expert, for the report's heatmap
+                self.log_dict({f"moe/load/L{i}/E{e}": share for i, row in enumerate(self._expert_load.tolist())
+                               for e, share in enumerate(row)}, on_step=True)
         return total
+
+    def _logs_this_step(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and bool(getattr(trainer._logger_connector, "should_update_logs", False))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, _ = self._losses(batch)
