@@ -1,7 +1,10 @@
-"""comm_debug: debug env on every rank, comm share under DDP and ZeRO-3, and a planted hang
-(rank 1 stuck in a sleep) that the watchdog names, dumps and ends with exit 124."""
+"""comm_debug: debug env on every rank, comm share under DDP and ZeRO-3 (the shared healthy
+debug=full runs, tests/shared_runs.py), and a planted hang (rank 1 stuck in a sleep) that the
+watchdog names, dumps and ends with exit 124."""
 
 from __future__ import annotations
+
+import json
 
 import os
 import threading
@@ -14,8 +17,9 @@ import pytest
 from src.callbacks._watchdog import HANG_EXIT_CODE, analyze
 from src.callbacks.comm_debug import CommDebug, CommTracker
 from src.errors import ConfigError
-from tests.conftest import only_run_dir, run_train
-from tests.planted_comm import TWO_PROC, csv_column, read_findings, shared_run
+from tests.conftest import SMALL_DEEPSEEK, only_run_dir, run_train
+from tests.planted_comm import TWO_PROC, csv_column, read_findings
+from tests.shared_runs import healthy_run
 
 
 @pytest.fixture
@@ -93,7 +97,7 @@ def test_analysis_names_the_rank_behind():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])
 def test_comm_share_is_logged_between_zero_and_one(kind, tmp_path_factory, shared_cache):
-    run_dir = shared_run(kind, tmp_path_factory, shared_cache)
+    run_dir, _ = healthy_run(kind, tmp_path_factory, shared_cache)
     share, ms = csv_column(run_dir, "comm/share"), csv_column(run_dir, "comm/ms")
     assert share and set(share) == set(ms)
     assert all(0 < v < 1 for v in share.values()), share
@@ -105,9 +109,10 @@ def test_comm_share_is_logged_between_zero_and_one(kind, tmp_path_factory, share
 
 @pytest.mark.slow
 def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_path, shared_cache):
-    args = TWO_PROC + ["strategy=ddp", "+callbacks=comm_debug", "callbacks.comm_debug.hang_timeout_s=8",
-                       "callbacks.comm_debug.hang_poll_s=1", "+callbacks.plant._target_=tests.planted_comm.SleepOnRank",
-                       "+callbacks.plant.rank=1", "+callbacks.plant.step=2", "+callbacks.plant.seconds=600"]
+    args = TWO_PROC + SMALL_DEEPSEEK + [  # the hang does not depend on the model's size
+        "strategy=ddp", "+callbacks=comm_debug", "callbacks.comm_debug.hang_timeout_s=8",
+        "callbacks.comm_debug.hang_poll_s=1", "+callbacks.plant._target_=tests.planted_comm.SleepOnRank",
+        "+callbacks.plant.rank=1", "+callbacks.plant.step=2", "+callbacks.plant.seconds=600"]
     proc = run_train(args, tmp_path, shared_cache, timeout=300)  # the sleep alone would take 600 s
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-4000:]
     # no process of the job remains (the children carry the log dir in their command line)
@@ -129,3 +134,7 @@ def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_pa
         text = (run_dir / log_file).read_text()
         assert "NCCL_DEBUG=INFO" in text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text, log_file
         assert "torch distributed debug level INFO" in text and "process-group timeout 0:10:00" in text, log_file
+    # the hung run still gets its report, with the advisor's NCCL-timeout advice
+    assert json.loads((run_dir / "crash.json").read_text())["status"] == "hang"
+    report = (run_dir / "report.html").read_text()
+    assert "rank 1 is behind" in report and "nccl_timeout" in report and "NCCL_DEBUG=INFO" in report

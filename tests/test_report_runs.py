@@ -9,6 +9,8 @@ import json
 import os
 import signal
 
+import pytest
+
 from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
 from tests.procs import start_train, wait_for
 from tests.shared_runs import healthy_run, planted_ddp_run, read_findings
@@ -37,6 +39,9 @@ def test_healthy_run_report(tmp_path_factory, shared_cache):
 
     run = load_run(run_dir)
     assert run.keys("moe/load/L"), "per-layer, per-expert load is logged for the MoE heatmap"
+    m = run.metrics  # throughput for the sweep index: steps x batch x accumulation x ranks x seq_len / fit time
+    tokens = m["global_step"] * run.cfg("data.batch_size") * run.cfg("trainer.accumulate_grad_batches") * 2 * 128
+    assert m["throughput/tokens_per_s"] == pytest.approx(tokens / m["fit_time_s"], rel=0.01)
     assert moe_load(run) is not None
 
 

@@ -29,6 +29,7 @@ from src.report.history import HistoryLogger
 from src.trainer.ds_config import apply_ds_json_to_cfg
 from src.trainer.global_batch import apply_global_batch_size, world_size
 from src.trainer.liveness import LivenessCallback, watch_parent
+from src.trainer.liveness import state as liveness_state
 from src.trainer.preemption import PreemptionCheckpoint
 from src.trainer.reshard import enable_universal_loading, plan_resume
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
@@ -106,10 +107,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _write_config(cfg, output_dir, trainer)
     # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
     # only, no code; DeepSpeed loads its own shards (weights_only=False inside DeepSpeed)
+    fit_started = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path,
                 weights_only=True if ckpt_path and Path(ckpt_path).is_file() else None)
 
+    fit_s = time.time() - fit_started
     metrics = _collect_metrics(trainer, module, started, ckpt_path, final_ckpt.path)
+    steps_run = trainer.global_step - liveness_state.start_step
+    tokens = steps_run * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * trainer.world_size
+    tokens *= int(cfg.data.get("seq_len") or 0)
+    metrics["fit_time_s"] = round(fit_s, 2)
+    metrics["throughput/tokens_per_s"] = round(tokens / fit_s, 1) if fit_s > 0 and tokens else None
     preempted = final_ckpt.preemption is not None and final_ckpt.preemption.path is not None
     if preempted:
         metrics["status"] = "preempted"
@@ -193,6 +201,7 @@ def _print_summary(metrics: dict[str, Any], output_dir: Path) -> None:
 
     table = Table(title="run summary", show_header=False)
     for key in ("status", "strategy", "zero_stage", "world_size", "precision", "global_step", "time_s",
+                "throughput/tokens_per_s",
                 "train/loss", "val/loss_at_start", "val/loss", "val/ppl", "final_checkpoint"):
         if metrics.get(key) is not None:
             table.add_row(key, fmt(metrics[key]))

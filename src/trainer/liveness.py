@@ -38,6 +38,7 @@ POLL_S = 0.5
 
 class _State:
     step: int | None = None  # last optimizer step, for the finding
+    start_step: int = 0  # the step fit started from (after a resume), for throughput
     procs: list[tuple[int, subprocess.Popen]] = []
     dead: dict[int, int] = {}  # rank -> returncode, as seen by rank 0
     finishing = False  # rank 0 is done with fit: children exiting now is expected
@@ -160,7 +161,11 @@ def watch_parent(grace_s: float = 5.0) -> None:
 
 
 class LivenessCallback(Callback):
-    """Keeps the step for the findings and marks the end of fit (children may exit now)."""
+    """Keeps the step for the findings (and the start step for throughput) and marks the end of
+    fit (children may exit now)."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        state.start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         state.step = trainer.global_step
