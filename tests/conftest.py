@@ -25,6 +25,12 @@ FAST = [
     "data.max_tokens=60000",
     "logger=csv",
 ]
+# A small plain net (embedding -> MLP -> head) for runs where the model is not what a test is
+# about: a step costs a fraction of the tiny DeepSeek's (MoE routing, MLA) on 2 cores.
+TINY_NET = ["model.net._target_=tests.planted_data.HealthyTinyLM"]
+# The same DeepSeek-V3 architecture (MLA, MoE, first layer dense), smaller: for runs that need
+# a Hugging Face model (its config feeds "auto" ds_config values) but not its size.
+SMALL_DEEPSEEK = ["model.net.hidden_size=64", "model.net.num_hidden_layers=2"]
 
 
 @pytest.fixture(scope="session")

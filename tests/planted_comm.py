@@ -30,33 +30,14 @@ class RaiseAtStep(Callback):
             raise RuntimeError(f"planted crash at step {self.step}")
 
 
-# ---- shared by tests/test_cb_comm_debug.py and tests/test_cb_log_sync.py -------------------
-# Both callbacks run together in the same 2-process runs (each run costs ~20-40 s).
+# ---- the hang test's 2-process base (tests/test_cb_comm_debug.py); the healthy and the
+# straggler runs are the shared ones in tests/shared_runs.py ------------------------------
 
 TWO_PROC = [
     "trainer=ddp_sim", "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
     "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "~callbacks.rich_progress_bar",
     "data.max_tokens=60000", "logger=csv", "export.hf=false", "export.fp32=false",
 ]
-BOTH = ["+callbacks=[comm_debug,log_sync]", "callbacks.log_sync.every_n_steps=2"]
-STRAGGLER = ["+callbacks.plant._target_=tests.planted_comm.SleepOnRank", "+callbacks.plant.rank=1",
-             "+callbacks.plant.every_step=true", "+callbacks.plant.seconds=1.0"]
-# ddp: rank 1 sleeps 1 s every step (a straggler); zero3: healthy
-SHARED_RUNS = {"ddp": ["strategy=ddp", *BOTH, *STRAGGLER], "zero3": ["strategy=zero3", "trainer.max_steps=4",
-                                                                   "trainer.val_check_interval=2", *BOTH]}
-_cache: dict = {}
-
-
-def shared_run(kind: str, tmp_path_factory, cache):
-    """The run dir of a shared 2-process run (``ddp`` with a straggler, healthy ``zero3``), run once."""
-    from tests.conftest import assert_ok, only_run_dir, run_train
-
-    if kind not in _cache:
-        log_dir = tmp_path_factory.mktemp(f"comm_{kind}")
-        proc = run_train(TWO_PROC + SHARED_RUNS[kind], log_dir, cache)
-        assert_ok(proc)
-        _cache[kind] = only_run_dir(log_dir)
-    return _cache[kind]
 
 
 def read_findings(run_dir) -> list[dict]:

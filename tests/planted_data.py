@@ -136,7 +136,8 @@ class _SlowCollate:
 
 # ---- shared CLI runs for test_cb_{reproducibility,data_inspector,profiler}.py ---------------
 # Several planted bugs share one run, and each run is made once per session (pytest imports
-# this module once): the three test files read the same run dirs.
+# this module once): the three test files read the same run dirs. Their 2-process cases read
+# the shared runs in tests/shared_runs.py.
 
 MY_CALLBACKS = "+callbacks=[reproducibility,data_inspector,profiler]"
 PROFILE_WINDOW = ["callbacks.profiler.wait=1", "callbacks.profiler.warmup=1", "callbacks.profiler.active=2"]
@@ -154,12 +155,6 @@ RUNS = {
     "planted": [MY_CALLBACKS, *LEAN_WINDOW, "callbacks.data_inspector.compare_with=latest",
                 "data._target_=tests.planted_data.BuggyDataModule", "+data.collate_delay=0.5",
                 "model.net._target_=tests.planted_data.NoisyLM", "strategy=ddp"],
-    # 2 processes, the real tiny DeepSeek-V3 (MoE): ZeRO-3 with the distributed sampler off
-    # (identical batches), and healthy DDP
-    "zero3_no_sampler": [MY_CALLBACKS, *LEAN_WINDOW, "trainer=ddp_sim", "strategy=zero3",
-                         "trainer.use_distributed_sampler=false", "callbacks.reproducibility.replay_steps=1",
-                         "callbacks.data_inspector.every_n_steps=2"],
-    "ddp": [MY_CALLBACKS, *LEAN_WINDOW, "trainer=ddp_sim", "strategy=ddp", "callbacks.reproducibility.replay_steps=1"],
 }
 _ORDER = ["healthy", "healthy_again", "planted"]  # share one log dir: "latest" finds the earlier ones
 _done: dict = {}

@@ -137,6 +137,7 @@ class NetWithDeadParams(nn.Module):
 
 
 # ---- the real CLI runs both test files read (test side only; each runs once per session) ----
+# The 2-process DDP cases (healthy, and NaN forward on rank 1) read tests/shared_runs.py.
 _BASE = ["trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
          "~callbacks.rich_progress_bar", "data.max_tokens=60000", "logger=csv", "export.hf=false",
          "+callbacks=[grad_monitor,freeze_verify]"]
@@ -173,12 +174,6 @@ RUN_ARGS = {
         _PLANT.format("big", "CorruptGrad"), "+callbacks.big.param=model.layers.0.self_attn.o_proj.weight",
         "+callbacks.big.step=4", "+callbacks.big.mode=scale", "+callbacks.big.rank=0",
         _PLANT.format("rec", "ParamRecorder"), "+callbacks.rec.steps=[0,4]"],
-    # 2 processes, DDP: the forward pass on rank 1 produces NaN at step 4
-    "ddp_2proc": _BASE + [
-        "trainer=ddp_sim", "strategy=ddp", "trainer.max_steps=5", "trainer.val_check_interval=5",
-        "export.fp32=false", "callbacks.grad_monitor.every_n_steps=2",
-        _PLANT.format("nan", "NaNForward"), "+callbacks.nan.module=model.layers.2.self_attn.o_proj",
-        "+callbacks.nan.step=4", "+callbacks.nan.rank=1"],
 }
 _RUNS: dict[str, tuple[Any, Path]] = {}
 

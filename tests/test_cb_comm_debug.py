@@ -5,7 +5,6 @@ watchdog names, dumps and ends with exit 124."""
 from __future__ import annotations
 
 import json
-
 import os
 import threading
 import time

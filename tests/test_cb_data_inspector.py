@@ -1,5 +1,6 @@
 """data_inspector: first batch saved and decoded, identical batches across ranks, train/val
-overlap, data order vs an earlier run with the same seed, label shift sanity."""
+overlap, data order vs an earlier run with the same seed, label shift sanity. The 2-process
+cases read the shared planted and healthy DDP runs (tests/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from src.callbacks.data_inspector import DataInspector, find_overlap, label_pattern, window_hashes
 from src.errors import ConfigError
 from tests.planted_data import cli_run, of
+from tests.shared_runs import healthy_run, planted_ddp_run, read_findings
 
 
 def test_first_batch_is_saved_with_decoded_text_and_healthy_run_is_silent(tmp_path_factory, shared_cache):
@@ -55,8 +57,8 @@ def test_planted_data_bugs_are_found_and_named(tmp_path_factory, shared_cache):
 
 @pytest.mark.slow
 def test_disabled_distributed_sampler_gives_identical_batches_named(tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run("zero3_no_sampler", tmp_path_factory, shared_cache)
-    bad = of(findings, "data_inspector")
+    run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)  # trainer.use_distributed_sampler=false
+    bad = of(read_findings(run_dir), "data_inspector")
     assert [f["code"] for f in bad] == ["identical_batches_across_ranks"]
     f = bad[0]
     assert f["severity"] == "error" and f["step"] == 0 and f["rank"] is None
@@ -66,8 +68,8 @@ def test_disabled_distributed_sampler_gives_identical_batches_named(tmp_path_fac
 
 @pytest.mark.slow
 def test_healthy_ddp_two_ranks_is_silent(tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run("ddp", tmp_path_factory, shared_cache)
-    assert of(findings, "data_inspector") == []
+    run_dir, _ = healthy_run("ddp", tmp_path_factory, shared_cache)
+    assert of(read_findings(run_dir), "data_inspector") == []
     orders = [json.loads((run_dir / "data_inspector" / f"data_order_rank{r}.json").read_text())["batches"]
               for r in (0, 1)]
     assert not set(orders[0]) & set(orders[1])  # the distributed sampler gives each rank other batches

@@ -1,6 +1,7 @@
 """freeze_verify: parameters that should learn but don't are named with the reason; train_only
 really freezes the rest (ZeRO-3, 2 processes); healthy runs only say info. The CLI runs are
-shared with test_cb_grad_monitor.py (tests/planted_grads.py)."""
+shared with test_cb_grad_monitor.py (tests/planted_grads.py); the healthy 2-process DDP run with
+other tests (tests/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from torch import nn
 from src.callbacks.freeze_verify import FreezeVerify
 from src.errors import ConfigError
 from src.findings import configure_channel
-from tests.conftest import FAST, assert_ok, error_lines, run_train
+from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, error_lines, run_train
 from tests.planted_grads import changed_params, one, read_findings, shared_run
+from tests.shared_runs import healthy_run
 
 
 def test_bad_values_are_one_line_config_errors():
@@ -110,15 +112,14 @@ def test_train_only_freezes_the_rest_under_zero3_two_processes(tmp_path_factory,
 
 @pytest.mark.slow
 def test_healthy_ddp_two_processes_verified(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("ddp_2proc", tmp_path_factory, shared_cache)
-    assert_ok(proc)
+    run_dir, _ = healthy_run("ddp", tmp_path_factory, shared_cache)  # debug=full
     found = read_findings(run_dir, "freeze_verify")
     assert [r["code"] for r in found] == ["freeze_verified"] and "all 60 trainable" in found[0]["message"]
 
 
 def test_pattern_matching_nothing_is_a_one_line_error(tmp_path, shared_cache):
     proc = run_train(FAST + ["+callbacks=freeze_verify", "callbacks.freeze_verify.train_only=[model.layer.0.*]",
-                             "strategy=ddp"], tmp_path, shared_cache)
+                             "strategy=ddp", *SMALL_DEEPSEEK], tmp_path, shared_cache)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc)
     assert len(lines) == 1 and "callbacks.freeze_verify.train_only: pattern 'model.layer.0.*' matches no" in lines[0]

@@ -1,6 +1,7 @@
 """grad_monitor: planted NaN / exploding / spiking gradients are named before the update,
 skip and stop drop the bad update, healthy steps are silent -- 1 process (ZeRO-2, DDP) and
-2 processes (ZeRO-3, DDP). The runs are shared with test_cb_freeze_verify.py."""
+2 processes (ZeRO-3, DDP). The runs are shared with test_cb_freeze_verify.py (tests/planted_grads.py)
+and, for 2-process DDP, with other callbacks' tests (tests/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from src.callbacks.grad_monitor import GradMonitor, layer_of
 from src.errors import ConfigError
 from tests.conftest import assert_ok, metrics
 from tests.planted_grads import changed_params, one, read_findings, shared_run
+from tests.shared_runs import healthy_run, planted_ddp_run
 
 
 def loud(records: list[dict]) -> list[tuple]:
@@ -105,21 +107,21 @@ def test_zero3_two_processes_nan_and_explosion_named_skip_and_norms_exact(tmp_pa
     assert loud(found) == [("nonfinite_grad", 3), ("grad_exploding", 4)]  # steps 0-2 healthy: silent
     assert changed_params(run_dir, 4) == []  # on_error=skip under ZeRO-3: no weight moved
     assert one(found, "grad_summary")["details"]["source"] == "zero3"
-    # under ZeRO-3 (param.grad is None) the norms come from the partitions: same value as DDP's full grads
-    _, ddp_dir = shared_run("ddp_2proc", tmp_path_factory, shared_cache)
+    # under ZeRO-3 (param.grad is None) the norms come from the partitions: same value as DDP's full
+    # grads (the healthy DDP run: same seed, data and model; layer 0 trains in both at step 0)
+    ddp_dir, _ = healthy_run("ddp", tmp_path_factory, shared_cache)
     z3, ddp = _layer0_norm_at_step0(run_dir), _layer0_norm_at_step0(ddp_dir)
     assert z3 > 0 and math.isclose(z3, ddp, rel_tol=1e-5), (z3, ddp)
 
 
 @pytest.mark.slow
 def test_ddp_two_processes_forward_nan_on_rank1_names_the_rank(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("ddp_2proc", tmp_path_factory, shared_cache)
-    assert_ok(proc)
+    run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)
     found = read_findings(run_dir, "grad_monitor")
-    nan = one(found, "nonfinite_grad")  # planted: o_proj of layer 2 outputs NaN on rank 1 at step 4
-    assert nan["step"] == 4 and nan["rank"] == 1 and nan["details"]["nonfinite_loss_ranks"] == [1]
-    assert "non-finite loss on rank(s) [1] at step 4" in nan["message"]
-    assert loud(found) == [("nonfinite_grad", 4)]  # steps 0-3 healthy: silent
+    nan = one(found, "nonfinite_grad")  # planted: the MLP's output layer gives NaN on rank 1 at step 5
+    assert nan["step"] == 5 and nan["rank"] == 1 and nan["details"]["nonfinite_loss_ranks"] == [1]
+    assert "non-finite loss on rank(s) [1] at step 5" in nan["message"]
+    assert loud(found) == [("nonfinite_grad", 5)]  # steps 0-4 healthy: silent
 
 
 def _layer0_norm_at_step0(run_dir) -> float:

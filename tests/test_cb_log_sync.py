@@ -1,6 +1,7 @@
-"""log_sync: per-rank stats with rank names under DDP and ZeRO-3, a merged timeline of both
-ranks, a planted straggler (rank 1 sleeps 1 s every step) named, and a crashed job whose
-W&B run is still finished as failed (offline)."""
+"""log_sync: per-rank stats with rank names under DDP and ZeRO-3 and a merged timeline of both
+ranks (the shared healthy debug=full runs), a planted straggler (rank 1 sleeps 1 s every step,
+in the shared planted DDP run) named, and a crashed job whose W&B run is still finished as
+failed (offline). Shared runs: tests/shared_runs.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from omegaconf import OmegaConf
 
 from src.callbacks.log_sync import LogSync, fill_wandb_sweep_identity, wandb_sweep_identity
 from src.errors import ConfigError
-from tests.conftest import FAST, only_run_dir, run_train
-from tests.planted_comm import csv_column, read_findings, shared_run, wandb_records
+from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
+from tests.planted_comm import csv_column, read_findings, wandb_records
+from tests.shared_runs import healthy_run, planted_ddp_run
 
 
 @pytest.mark.parametrize("key, value", [("every_n_steps", 0), ("straggler_factor", 1.0), ("log_level", "LOUD"),
@@ -42,7 +44,7 @@ def test_multirun_job_gets_wandb_group_and_name_from_the_sweep(tmp_path, monkeyp
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])
 def test_per_rank_stats_with_rank_names_and_a_merged_timeline(kind, tmp_path_factory, shared_cache):
-    run_dir = shared_run(kind, tmp_path_factory, shared_cache)
+    run_dir, _ = healthy_run(kind, tmp_path_factory, shared_cache)
     for stat in ("step_time", "compute_time", "comm_time", "loss", "mem_mb"):
         lo, hi = csv_column(run_dir, f"ranks/{stat}_min"), csv_column(run_dir, f"ranks/{stat}_max")
         assert lo and set(lo) == set(hi), stat
@@ -61,19 +63,21 @@ def test_per_rank_stats_with_rank_names_and_a_merged_timeline(kind, tmp_path_fac
 
 @pytest.mark.slow
 def test_planted_straggler_is_named(tmp_path_factory, shared_cache):
-    run_dir = shared_run("ddp", tmp_path_factory, shared_cache)  # rank 1 sleeps 1 s every step
+    run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)  # rank 1 sleeps 1 s every step
     stragglers = [f for f in read_findings(run_dir) if f["code"] == "straggler"]
     assert len(stragglers) == 1, read_findings(run_dir)
     assert stragglers[0]["rank"] == 1 and stragglers[0]["message"].startswith("rank 1 is a straggler")
     assert 1.0 in csv_column(run_dir, "ranks/compute_time_max_rank").values()
-    # nothing else warns: the only planted problem is the straggler
-    others = [f for f in read_findings(run_dir) if f["severity"] != "info" and f["code"] != "straggler"]
+    # log_sync and comm_debug say nothing else (the run's other plants are data_inspector's and
+    # grad_monitor's, and their tests check those findings)
+    others = [f for f in read_findings(run_dir) if f["check"] in ("log_sync", "comm_debug")
+              and f["severity"] != "info" and f["code"] != "straggler"]
     assert not others, others
 
 
 @pytest.mark.slow
 def test_healthy_zero3_run_is_silent(tmp_path_factory, shared_cache):
-    run_dir = shared_run("zero3", tmp_path_factory, shared_cache)
+    run_dir, _ = healthy_run("zero3", tmp_path_factory, shared_cache)  # debug=full: every check on
     loud = [f for f in read_findings(run_dir) if f["severity"] != "info"]
     assert not loud, loud
 
@@ -83,7 +87,7 @@ def test_crashed_job_still_finishes_its_wandb_run_and_timeline(tmp_path, shared_
     args = [a for a in FAST if not a.startswith(("logger=", "trainer.val_check_interval", "trainer.limit_val"))] + [
         "logger=many", "trainer.val_check_interval=10", "trainer.limit_val_batches=1", "export.hf=false",
         "export.fp32=false", "+callbacks=log_sync", "callbacks.log_sync.every_n_steps=1", "callbacks.log_sync.warmup_steps=0",
-        "+callbacks.plant._target_=tests.planted_comm.RaiseAtStep", "+callbacks.plant.step=2"]
+        "+callbacks.plant._target_=tests.planted_comm.RaiseAtStep", "+callbacks.plant.step=2", *TINY_NET]
     proc = run_train(args, tmp_path, shared_cache, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode != 0 and "planted crash at step 2" in proc.stderr
     run_dir = only_run_dir(tmp_path)

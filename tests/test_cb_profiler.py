@@ -11,6 +11,7 @@ import pytest
 from src.callbacks.profiler import Profiler
 from src.errors import ConfigError
 from tests.planted_data import cli_run, of
+from tests.shared_runs import healthy_run, read_findings
 
 BREAKDOWN = ["time/step_ms", "time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms",
              "time/comm_ms", "time/data_fraction"]
@@ -48,9 +49,10 @@ def test_slow_collate_is_a_data_bound_warning_naming_the_loader(tmp_path_factory
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero3_no_sampler", "ddp"])
-def test_two_processes_write_a_trace_per_rank(name, tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run(name, tmp_path_factory, shared_cache)
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_two_processes_write_a_trace_per_rank(strategy, tmp_path_factory, shared_cache):
+    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    findings = read_findings(run_dir)
     assert of(findings, "profiler") == []
     for rank in (0, 1):
         names = _trace_names(run_dir / "profiler" / f"trace_rank{rank}.json")

@@ -15,6 +15,7 @@ from src.errors import ConfigError
 from src.findings import configure_channel
 from tests.conftest import error_lines, run_train, train_losses
 from tests.planted_data import cli_run, of
+from tests.shared_runs import healthy_run, read_findings
 
 
 @pytest.fixture
@@ -69,9 +70,10 @@ def test_planted_unseeded_noise_module_is_named(tmp_path_factory, shared_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero3_no_sampler", "ddp"])
-def test_two_processes_replay_and_record_every_rank(name, tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run(name, tmp_path_factory, shared_cache)
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_two_processes_replay_and_record_every_rank(strategy, tmp_path_factory, shared_cache):
+    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    findings = read_findings(run_dir)
     assert of(findings, "reproducibility") == []
     assert any(f["code"] == "replay_ok" for f in findings)
     rank1 = json.loads((run_dir / "repro" / "rank1.json").read_text())

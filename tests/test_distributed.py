@@ -1,41 +1,27 @@
 """Two CPU processes (gloo) for every strategy; reproducibility and exact resume on top.
 
-Each strategy run trains 6 steps with checkpoints at 3 and 6. Reproducibility re-runs
-ZeRO-2 and compares the loss curve bit for bit; resume restarts ZeRO-3 from its step-3
-checkpoint and must reproduce steps 4-6 of the uninterrupted run.
+Each strategy run trains 6 steps with checkpoints at 3 and 6 (tests/shared_runs.py). The ddp and
+zero3 runs are the shared healthy debug=full runs, so learning and exact resume are also shown
+with every check on; zero2_offload is a job of the shared sweep. Reproducibility re-runs ZeRO-2
+(the sweep's zero2 job) and compares the loss curve bit for bit; the zero1 run uses another
+seed and must start from another loss. Resume restarts ZeRO-3 from its step-3 checkpoint and
+must reproduce steps 3-5 of the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FAST, assert_ok, metrics, only_run_dir, run_train, train_losses
+from tests.conftest import assert_ok, metrics, only_run_dir, run_train, train_losses
+from tests.shared_runs import ENV, strategy_args, strategy_run, sweep_job
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
-TWO_PROC = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
-    "trainer=ddp_sim",
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "callbacks.model_checkpoint.every_n_train_steps=3",
-    "export.hf=false",
-]
-_runs: dict = {}
-
-
-def _two_proc_run(strategy, tmp_path_factory, shared_cache, extra=()):
-    key = (strategy, tuple(extra))
-    if key not in _runs:
-        log_dir = tmp_path_factory.mktemp(f"{strategy}")
-        proc = run_train(TWO_PROC + [f"strategy={strategy}", *extra], log_dir, shared_cache)
-        assert_ok(proc)
-        _runs[key] = (only_run_dir(log_dir), proc)
-    return _runs[key]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_trains_with_two_cpu_processes(strategy, tmp_path_factory, shared_cache):
-    run_dir, proc = _two_proc_run(strategy, tmp_path_factory, shared_cache)
+    run_dir, proc = strategy_run(strategy, tmp_path_factory, shared_cache)
     m = metrics(run_dir)
     assert m["world_size"] == 2 and m["global_step"] == 6
     expected_stage = None if strategy == "ddp" else int(strategy[4])
@@ -45,7 +31,7 @@ def test_strategy_trains_with_two_cpu_processes(strategy, tmp_path_factory, shar
     assert sorted(losses) == list(range(6))
     # rank 1 logged into the same run dir (its own file) and made no dir of its own
     assert (run_dir / "rank1.log").is_file()
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["step_000003.ckpt", "step_000006.ckpt"]
     if strategy != "ddp":
         shards = list((run_dir / "checkpoints" / "step_000006.ckpt" / "checkpoint").glob("*optim_states.pt"))
@@ -60,22 +46,24 @@ def test_strategy_trains_with_two_cpu_processes(strategy, tmp_path_factory, shar
 
 @pytest.mark.slow
 def test_same_seed_same_config_gives_identical_loss_curve(tmp_path_factory, shared_cache):
-    first, _ = _two_proc_run("zero2", tmp_path_factory, shared_cache)
-    log_dir = tmp_path_factory.mktemp("repro")
-    assert_ok(run_train(TWO_PROC + ["strategy=zero2"], log_dir, shared_cache))
-    second = only_run_dir(log_dir)
+    first, _ = strategy_run("zero2", tmp_path_factory, shared_cache)
+    # the re-run: the sweep's zero2 job, the same command line run as a multirun job
+    second = sweep_job("zero2", tmp_path_factory, shared_cache)
+    assert sorted(train_losses(second)) == list(range(6))
     assert train_losses(first) == train_losses(second)  # bitwise: floats compare exactly
-    other_seed = tmp_path_factory.mktemp("seed")
-    assert_ok(run_train(TWO_PROC + ["strategy=zero2", "seed=43", "trainer.max_steps=2"], other_seed, shared_cache))
-    assert train_losses(only_run_dir(other_seed))[1] != train_losses(first)[1]
+    # another seed (the zero1 run): another init and data order, so the loss differs before
+    # any update; with the seed ignored, ZeRO-1 and ZeRO-2 start from the same loss
+    other, _ = strategy_run("zero1", tmp_path_factory, shared_cache)
+    assert abs(train_losses(other)[0] - train_losses(first)[0]) > 1e-4, (train_losses(other), train_losses(first))
 
 
 @pytest.mark.slow
 def test_resume_mid_run_reaches_the_same_final_loss(tmp_path_factory, shared_cache):
-    full, _ = _two_proc_run("zero3", tmp_path_factory, shared_cache)
+    full, _ = strategy_run("zero3", tmp_path_factory, shared_cache)
     log_dir = tmp_path_factory.mktemp("resume")
     ckpt = full / "checkpoints" / "step_000003.ckpt"
-    assert_ok(run_train(TWO_PROC + ["strategy=zero3", f"ckpt_path={ckpt}"], log_dir, shared_cache))
+    # the same command line (debug=full included) plus the checkpoint
+    assert_ok(run_train(strategy_args("zero3") + [f"ckpt_path={ckpt}"], log_dir, shared_cache, timeout=600, env=ENV))
     resumed = only_run_dir(log_dir)
     full_losses, resumed_losses = train_losses(full), train_losses(resumed)
     assert sorted(resumed_losses) == [3, 4, 5]

@@ -8,7 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from tests.conftest import CONF, FAST, REPO, assert_ok, metrics, only_run_dir, run_train
+from tests.conftest import CONF, REPO, metrics
+from tests.shared_runs import healthy_run
 
 PRESETS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 SEVEN = {"reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify", "log_sync"}
@@ -40,16 +41,11 @@ def test_presets_select_the_right_checks(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
-def test_debug_full_on_a_healthy_two_process_run_is_silent(strategy, tmp_path, shared_cache):
-    args = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
-        "debug=full", f"strategy={strategy}", "trainer=ddp_sim", "trainer.max_steps=8", "trainer.val_check_interval=4",
-        "callbacks.profiler.wait=1", "callbacks.grad_monitor.every_n_steps=2", "export.hf=false"]
-    proc = run_train(args, tmp_path, shared_cache, timeout=600)
-    assert_ok(proc)
-    run_dir = only_run_dir(tmp_path)
-    assert metrics(run_dir)["global_step"] == 8
+def test_debug_full_on_a_healthy_two_process_run_is_silent(strategy, tmp_path_factory, shared_cache):
+    run_dir, proc = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    assert metrics(run_dir)["global_step"] == 6
     records = [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()]
-    assert {r["check"] for r in records} >= {"reproducibility", "comm_debug", "profiler"}  # they did report (info)
+    assert {r["check"] for r in records} >= SEVEN - {"log_sync"}  # they ran and reported (info)
     bad = [r for r in records if r["severity"] != "info"]
     assert bad == [], json.dumps(bad, indent=1)[:3000]
     assert {r["rank"] for r in records} >= {0}

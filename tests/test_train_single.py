@@ -36,7 +36,7 @@ def test_default_run_learns_and_writes_its_run_dir(default_run):
     assert "strategy" in (run_dir / "config_resolved.yaml").read_text()
     assert (run_dir / "train.log").stat().st_size > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["step_000004.ckpt", "step_000008.ckpt"]  # the last one is the final one
     assert (run_dir / "checkpoints" / "step_000008.ckpt" / "latest").is_file()  # DeepSpeed shards
     assert "run summary" in proc.stdout
@@ -78,23 +78,35 @@ def test_resume_latest_continues_from_the_newest_checkpoint(default_run, shared_
     assert sorted(train_losses(second[0])) == [8, 9]  # only the two new steps were trained
 
 
-def test_bf16_mixed_trains_on_cpu(tmp_path, shared_cache):
-    proc = run_train(FAST + ["trainer.precision=bf16-mixed", "trainer.max_steps=2", "export.hf=false"],
-                     tmp_path, shared_cache)
-    assert_ok(proc)
-    m = metrics(only_run_dir(tmp_path))
-    assert m["precision"] == "bf16-mixed" and all(v < 9 for v in train_losses(only_run_dir(tmp_path)).values())
+@pytest.fixture(scope="module")
+def small_hf_run(tmp_path_factory, shared_cache):
+    """One 2-step run for three features that do not touch each other: a model loaded from a
+    local save_pretrained dir, bf16-mixed, and the W&B logger offline with an API key in the
+    environment, started from an empty working directory."""
+    from src.models.deepseek import build_deepseek_v3
 
-
-def test_wandb_offline_writes_inside_the_run_dir_only(tmp_path, shared_cache):
-    cwd = tmp_path / "cwd"
+    root = tmp_path_factory.mktemp("small_hf")
+    model_dir, cwd = root / "tiny_model", root / "cwd"
+    build_deepseek_v3(vocab_size=4096, hidden_size=64, num_hidden_layers=2).save_pretrained(model_dir)
     cwd.mkdir()
     args = [a for a in FAST if not a.startswith("logger=")] + [
-        "logger=wandb", "trainer.max_steps=2", "export.fp32=false", "export.hf=false"]
-    proc = run_train(args, tmp_path / "logs", shared_cache, env={"WANDB_MODE": "offline", "WANDB_API_KEY": "x" * 40},
+        "logger=many", "~logger.tensorboard", "model=hf_pretrained", f"model.net.name_or_path={model_dir}",
+        "trainer.precision=bf16-mixed", "trainer.max_steps=2", "export.hf=false"]
+    proc = run_train(args, root / "logs", shared_cache, env={"WANDB_MODE": "offline", "WANDB_API_KEY": "x" * 40},
                      cwd=cwd)
     assert_ok(proc)
-    run_dir = only_run_dir(tmp_path / "logs")
+    return only_run_dir(root / "logs"), cwd
+
+
+def test_bf16_mixed_trains_on_cpu(small_hf_run):
+    run_dir, _ = small_hf_run
+    m = metrics(run_dir)
+    losses = train_losses(run_dir)
+    assert m["precision"] == "bf16-mixed" and sorted(losses) == [0, 1] and all(v < 9 for v in losses.values())
+
+
+def test_wandb_offline_writes_inside_the_run_dir_only(small_hf_run):
+    run_dir, cwd = small_hf_run
     assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run in the run dir"
     assert not (cwd / "wandb").exists() and list(cwd.iterdir()) == []
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and p.stat().st_size < 5_000_000
@@ -102,12 +114,9 @@ def test_wandb_offline_writes_inside_the_run_dir_only(tmp_path, shared_cache):
     assert leaked == [], f"API key written to {leaked}"
 
 
-def test_hf_pretrained_trains_from_a_local_save_pretrained_dir(tmp_path, shared_cache):
-    from src.models.deepseek import build_deepseek_v3
-
-    model_dir = tmp_path / "tiny_model"
-    build_deepseek_v3(vocab_size=4096, hidden_size=64, num_hidden_layers=2).save_pretrained(model_dir)
-    proc = run_train(FAST + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}", "trainer.max_steps=2",
-                             "export.hf=false"], tmp_path / "logs", shared_cache)
-    assert_ok(proc)
-    assert metrics(only_run_dir(tmp_path / "logs"))["global_step"] == 2
+def test_hf_pretrained_trains_from_a_local_save_pretrained_dir(small_hf_run):
+    run_dir, _ = small_hf_run
+    assert metrics(run_dir)["global_step"] == 2
+    # the saved model (hidden size 64), not the default config's (256)
+    state = torch.load(run_dir / "export" / "model_fp32.pt", map_location="cpu", weights_only=True)["state_dict"]
+    assert state["net.model.embed_tokens.weight"].shape == (4096, 64)
