@@ -8,23 +8,18 @@ import torch
 
 from src.trainer.integrity import write_manifest
 from tests.conftest import FAST, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
-
-TWO_PROC = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
-    "trainer=ddp_sim", "trainer.max_steps=6", "trainer.val_check_interval=3",
-    "callbacks.model_checkpoint.every_n_train_steps=3", "export.fp32=false", "export.hf=false",
-]
+from tests.shared_runs import TWO_PROC, strategy_run
 
 
 @pytest.fixture(scope="module")
 def zero2_two_ranks(tmp_path_factory, shared_cache):
-    log_dir = tmp_path_factory.mktemp("source")
-    assert_ok(run_train(TWO_PROC + ["strategy=zero2"], log_dir, shared_cache))
-    return only_run_dir(log_dir)
+    """The shared 2-process zero2 run: 6 steps, checkpoints at 3 and 6."""
+    return strategy_run("zero2", tmp_path_factory, shared_cache)[0]
 
 
 def test_zero2_checkpoint_resumes_under_zero1(zero2_two_ranks, tmp_path, shared_cache):
     ckpt = zero2_two_ranks / "checkpoints" / "step_000003.ckpt"
-    proc = run_train(TWO_PROC + ["strategy=zero1", f"ckpt_path={ckpt}"], tmp_path, shared_cache)
+    proc = run_train(TWO_PROC + ["strategy=zero1", "export.fp32=false", f"ckpt_path={ckpt}"], tmp_path, shared_cache)
     assert_ok(proc)
     run = only_run_dir(tmp_path)
     assert (run / "resume" / "step_000003.ckpt" / "manifest.json").is_file()
@@ -47,11 +42,11 @@ def test_zero3_and_zero12_do_not_mix_and_say_why(saved, now, tmp_path, shared_ca
 
 
 def test_zero3_two_rank_checkpoint_resumes_on_one_rank(tmp_path_factory, tmp_path, shared_cache):
-    from tests.shared_runs import TWO_PROC as SHARED, healthy_run
+    from tests.shared_runs import healthy_run
 
     source, _ = healthy_run("zero3", tmp_path_factory, shared_cache)
     ckpt = source / "checkpoints" / "step_000003.ckpt"
-    args = [a for a in SHARED if a != "trainer=ddp_sim"] + ["strategy=zero3", "export.fp32=false"]
+    args = [a for a in TWO_PROC if a != "trainer=ddp_sim"] + ["strategy=zero3", "export.fp32=false"]
     assert_ok(run_train(args + [f"ckpt_path={ckpt}"], tmp_path, shared_cache))
     run = only_run_dir(tmp_path)
     m = metrics(run)
