@@ -66,7 +66,9 @@ def test_crashed_run_report(tmp_path, shared_cache):
 def test_ctrl_c_run_report(tmp_path, shared_cache):
     args = [a for a in FAST if not a.startswith("trainer.max_steps")] + TINY_NET + [
         "trainer.max_steps=100000", "export.fp32=false", "export.hf=false"]
-    proc = start_train(args, tmp_path, shared_cache)
+    # a shell's background job inherits SIGINT ignored, and then Python installs no Ctrl-C handler:
+    # give the run the terminal's default, as for a user at a prompt
+    proc = start_train(args, tmp_path, shared_cache, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob("train/runs/*/history.jsonl")), 240,
              "the first logged step", proc)
     os.kill(proc.pid, signal.SIGINT)

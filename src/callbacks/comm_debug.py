@@ -198,7 +198,8 @@ def register_ddp_hook(trainer: Any, tracker: CommTracker) -> str | None:
 
 class StepClock:
     """One rank's step windows: train batch end -> next train batch end (data loading and
-    every hook included), validation excluded. Times are this rank's perf_counter."""
+    every hook included), validation and checkpoint saves excluded. Times are this rank's
+    perf_counter."""
 
     def __init__(self) -> None:
         self.start: float | None = None
@@ -223,6 +224,9 @@ class StepClock:
         self.start, self._val = now, []
         if start is None:
             return None
+        from src.trainer.integrity import SAVE_WINDOWS
+
+        vals = vals + [(s, e) for s, e in SAVE_WINDOWS if s >= start and e <= now]
         step = now - start - sum(e - s for s, e in vals)
         comm = 0.0
         if tracker is not None:

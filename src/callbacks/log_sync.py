@@ -69,7 +69,7 @@ class LogSync(DebugCallback):
 
     | metric / finding / file | meaning |
     |---|---|
-    | ``ranks/<stat>_min``, ``_mean``, ``_max`` | over ranks, mean of the steps since the last gather (the first ``warmup_steps`` skipped); stat: ``step_time`` (s, batch end to batch end, validation excluded), ``compute_time`` (s, step minus collectives), ``comm_time`` (s), ``loss`` (local, before any reduction), ``mem_mb`` (RSS on CPU, CUDA max allocated on GPU) |
+    | ``ranks/<stat>_min``, ``_mean``, ``_max`` | over ranks, mean of the steps since the last gather (the first ``warmup_steps`` skipped); stat: ``step_time`` (s, batch end to batch end, validation and checkpoint saves excluded), ``compute_time`` (s, step minus collectives), ``comm_time`` (s), ``loss`` (local, before any reduction), ``mem_mb`` (RSS on CPU, CUDA max allocated on GPU) |
     | ``ranks/<stat>_min_rank``, ``_max_rank`` | the rank holding the min / max |
     | ``straggler`` (warning) | a rank's compute time > ``straggler_factor`` x the median of the others (and by more than ``straggler_min_excess_s``) in ``straggler_patience`` consecutive windows; names the rank, once per rank |
     | ``wandb_failed_run`` (info) | a W&B run was finished as failed after an exception |

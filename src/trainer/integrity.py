@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import zipfile
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,12 @@ FORMAT = "dsdebug.checkpoint-manifest/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _CHUNK = 8 << 20
+
+
+#: (start, end) perf_counter of this process's recent checkpoint saves: step timers (log_sync,
+#: comm_debug) leave them out, as they leave out validation. Rank 0 also writes the manifest, so
+#: with saves counted it would look like a straggler.
+SAVE_WINDOWS: deque[tuple[float, float]] = deque(maxlen=64)
 
 
 class CheckpointError(ConfigError):
@@ -190,6 +197,14 @@ def save_verified(trainer: Any, path: str | Path, weights_only: bool = False) ->
     """``trainer.save_checkpoint`` plus the manifest; a failed write removes the partial files
     and names the file and what is left, instead of leaving a half checkpoint behind."""
     path = Path(path)
+    started = time.perf_counter()
+    try:
+        _save_and_finalize(trainer, path, weights_only)
+    finally:
+        SAVE_WINDOWS.append((started, time.perf_counter()))
+
+
+def _save_and_finalize(trainer: Any, path: Path, weights_only: bool) -> None:
     try:
         trainer.save_checkpoint(path, weights_only)
     except Exception as e:  # noqa: BLE001 - ENOSPC arrives as OSError or torch's RuntimeError
