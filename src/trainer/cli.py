@@ -114,12 +114,13 @@ def _unsafe_pickle(exc: BaseException) -> str | None:
 
 
 def _dead_rank(exc: BaseException) -> str | None:
-    """Rank 0 after an exception: if a child rank died, that is the story, not our traceback."""
-    if not _is_rank_zero() or "src.trainer.liveness" not in sys.modules:
+    """After an exception: did a rank die? Rank 0 polls its children, a child checks its
+    parent. If so, that is the story, not our traceback."""
+    if "src.trainer.liveness" not in sys.modules:
         return None  # no rank was launched yet (e.g. a bad config caught by validate_config)
-    from src.trainer.liveness import dead_rank_message
+    from src.trainer.liveness import dead_rank_message, parent_gone_message
 
-    return dead_rank_message()
+    return dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
 
 
 def _classify(e: Exception) -> tuple[str, int, str | None]:

@@ -42,6 +42,7 @@ class _State:
     procs: list[tuple[int, subprocess.Popen]] = []
     dead: dict[int, int] = {}  # rank -> returncode, as seen by rank 0
     finishing = False  # rank 0 is done with fit: children exiting now is expected
+    parent_reported = False  # a child rank reported its parent's death
 
 
 state = _State()
@@ -151,13 +152,33 @@ def watch_parent(grace_s: float = 5.0) -> None:
     def loop() -> None:
         while os.getppid() == parent_pid:
             time.sleep(POLL_S)
-        _report(0, f"rank 0 (pid {parent_pid}) is gone; rank {rank} stops at step {state.step}",
-                {"pid": parent_pid, "seen_by": rank})
+        parent_gone_message()
         time.sleep(grace_s)
         print(f"error: rank 0 (pid {parent_pid}) died; rank {rank} exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=loop, name="parent-liveness", daemon=True).start()
+
+
+def parent_gone_message(wait_s: float = 0.0) -> str | None:
+    """Child rank: if rank 0 (our launching parent) is gone, report it once and say so. After an
+    exception (a collective failing because rank 0 died) the caller waits a moment: the
+    reparenting can lag the socket error."""
+    parent = os.environ.get(ENV_PARENT)
+    if not parent:
+        return None
+    parent_pid = int(parent)
+    deadline = time.time() + wait_s
+    while os.getppid() == parent_pid:
+        if time.time() >= deadline:
+            return None
+        time.sleep(0.1)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    message = f"rank 0 (pid {parent_pid}) is gone; rank {rank} stops at step {state.step}"
+    if not state.parent_reported:
+        state.parent_reported = True
+        _report(0, message, {"pid": parent_pid, "seen_by": rank})
+    return message
 
 
 class LivenessCallback(Callback):
