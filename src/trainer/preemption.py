@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
+from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class PreemptionCheckpoint(Callback):
         if not self.signals or trainer.global_step == self._last_step:
             return  # inside a gradient-accumulation window: not a step boundary
         self._last_step = trainer.global_step
-        if not self._any_rank(trainer, self.received is not None):
+        if not DebugCallback.any_rank(trainer, self.received is not None):  # collective
             return
         from src.findings import Finding, get_channel
         from src.trainer.integrity import save_verified
@@ -108,13 +109,6 @@ class PreemptionCheckpoint(Callback):
                 step=step, details={"signal": name, "checkpoint": str(self.path)},
             ))
         trainer.should_stop = True
-
-    @staticmethod
-    def _any_rank(trainer: Any, flag: bool) -> bool:
-        if trainer.world_size <= 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=trainer.strategy.root_device)
-        return bool(trainer.strategy.reduce(t, reduce_op="max").item() > 0)
 
     # ------------------------------------------------------------- RNG state
     def state_dict(self) -> dict[str, Any]:
