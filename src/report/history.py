@@ -4,7 +4,9 @@ The report must not depend on which logger a user picked (TensorBoard, CSV, W&B 
 trainer always gets this Lightning logger as well. It sees what Lightning's logger connector
 sends (``self.log`` values, the LR monitor) and what the debug callbacks send with
 ``logger.log_metrics`` (gradient norms, per-rank stats, comm share). Lightning calls loggers on
-rank 0 only. One JSON line per call: ``{"step": 12, "train/loss": 5.31, ...}``.
+rank 0 only. One JSON line per call: ``{"step": 12, "time": 1763800000.12, "train/loss": 5.31, ...}``
+(``time``: wall clock, seconds since the epoch, when the row was logged; benchmarks read step
+rates from it without adding instrumentation to the run).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +44,12 @@ class HistoryLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        row: dict[str, Any] = {"step": step}
+        row: dict[str, Any] = {"step": step, "time": round(time.time(), 4)}
         for key, value in metrics.items():
             value = value.item() if hasattr(value, "item") else value
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 row[key] = float(value) if math.isfinite(value) else str(value)
-        if len(row) == 1:
+        if len(row) == 2:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

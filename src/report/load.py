@@ -63,6 +63,7 @@ def read_history(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         if not isinstance(row, dict):
             continue
         step = row.pop("step", None)
+        row.pop("time", None)  # when the row was logged (benchmarks read it), not a metric
         for key, value in row.items():
             try:
                 series.setdefault(key, []).append((int(step) if step is not None else -1, float(value)))

@@ -1,0 +1,99 @@
+"""benchmarks/overhead.py: the summary math, the interleaving, and one real (small) cell.
+
+The real cell fits debug=none and debug=light twice each in ONE process, the way the benchmark
+measures, and checks what the numbers rest on: each fit had exactly its variant's callbacks,
+the rounds ran in rotated order, and no fit left process-wide state behind (deterministic
+mode, threads, log handlers, wrapped collectives, signal handlers) that would bill one
+variant's cost to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
+import overhead  # noqa: E402
+
+SCRIPT = REPO / "benchmarks" / "overhead.py"
+
+
+def test_rotated_rounds_put_every_variant_first_once():
+    items = ["none", "light", "full"]
+    orders = [harness.rotated(items, r) for r in range(3)]
+    assert [o[0] for o in orders] == items
+    assert all(sorted(o) == sorted(items) for o in orders)
+
+
+def test_window_stats_mean_counts_periodic_steps_median_does_not():
+    steps = [5.0, 4.0] + [1.0] * 9 + [2.0]  # warm-up 2, then a periodic step costing 1 s extra
+    stats = harness.window_stats(steps, warmup=2, window=10)
+    assert stats["mean_s"] == pytest.approx(1.1)
+    assert stats["median_s"] == 1.0
+    assert stats["warmup_s"] == 9.0
+    with pytest.raises(ValueError, match="needs 13"):
+        harness.window_stats(steps, warmup=3, window=10)
+
+
+def _fit(r, variant, step, warm_extra=0.0, setup=0.5):
+    return {"round": r, "variant": variant, "setup_s": setup, "tokens_per_step": 1024, "leaked": {},
+            "step_s": [step + warm_extra / 2] * 2 + [step] * 4}
+
+
+def test_summary_ratio_is_per_round_so_drift_cancels():
+    # the machine gets 2x slower in round 1; light costs 10 % in both rounds, plus 3 s once
+    cell = {"warmup": 2, "window": 4, "fits": [
+        _fit(0, "none", 1.0), _fit(0, "light", 1.1, warm_extra=3.0),
+        _fit(1, "light", 2.2, warm_extra=3.0), _fit(1, "none", 2.0)]}
+    rows = overhead.summarize(cell)
+    assert rows["none"]["steady"] == 0
+    assert rows["light"]["steady"] == pytest.approx(0.10)
+    assert rows["light"]["oneoff_s"] == pytest.approx(3.0)
+    # default run: +10 % per step, plus 3 s over 300 steps at the median none rate (1.5 s)
+    assert rows["light"]["default_run"] == pytest.approx(0.10 + 3.0 / (300 * 1.5))
+    assert rows["light"]["tokens_per_s"] == pytest.approx(1024 / 1.65)
+
+
+def test_bad_flags_are_one_line_errors():
+    for args, needle in ((["--cells", "zero9:2"], "--cells entry 'zero9:2'"),
+                         (["--variants", "none,grad_montor"], "--variants grad_montor unknown"),
+                         (["--rounds", "0"], "--rounds=0"),
+                         (["--cells", "zero2:1", "--variants", "none", "--override", "model.net.hidden_sze=3"],
+                          "model.net.hidden_sze")):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0, args
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, shared_cache):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(SCRIPT), "--cells", "zero2:1", "--variants", "none,light", "--rounds", "2",
+           "--warmup", "2", "--window", "3", "--prime", "0", "--out", str(out),
+           "--override", "model.net.hidden_size=64", "--override", "model.net.num_hidden_layers=2",
+           "--override", "data.max_tokens=60000"]
+    env = {**__import__("os").environ, "DSDEBUG_CACHE_DIR": str(shared_cache)}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = json.loads((out / "zero2_x1" / "cell.json").read_text())
+    assert [(f["round"], f["variant"]) for f in cell["fits"]] == [(0, "none"), (0, "light"), (1, "light"), (1, "none")]
+    debug = {"Reproducibility", "GradMonitor", "DataInspector", "CommDebug", "LogSync"}
+    for fit in cell["fits"]:
+        assert len(fit["step_s"]) == 5 and all(t > 0 for t in fit["step_s"])
+        assert fit["leaked"] == {}, (fit["variant"], fit["leaked"])
+        has = debug & set(fit["callbacks"])
+        assert has == (debug if fit["variant"] == "light" else set()), (fit["variant"], fit["callbacks"])
+        assert "PreemptionCheckpoint" in fit["callbacks"]  # the framework's own callbacks stay in every variant
+    results = json.loads((out / "overhead.json").read_text())
+    rows = results["cells"]["zero2:1"]["summary"]
+    assert set(rows) == {"none", "light"} and rows["light"]["rounds"] == 2
+    assert results["machine"]["versions"]["deepspeed"]
+    assert "| light |" in (out / "overhead.md").read_text()
+    assert (out / "overhead.png").read_bytes()[:4] == b"\x89PNG"
