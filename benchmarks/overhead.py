@@ -9,9 +9,11 @@ Method (docs/benchmarks.md has the results):
   process group that fits every variant in turn (harness.py): the same default model, data,
   seed and optimizer, built as ``train.py strategy=<stage> debug=<variant>`` builds them.
 * Each fit runs ``warmup + window`` optimizer steps. The window's **mean** step time is the
-  steady-state cost; it holds every default cadence of 10 and 50 steps a whole number of times,
-  so periodic work (per-layer norms, fingerprint gathers, rank stats) is charged at its real
-  rate. One-off work (the profiler window, the replay self-check, the freeze check, callback
+  steady-state cost. A variant's window is ``--window`` rounded up to a multiple of its
+  callbacks' cadences (``every_n_steps`` up to 50: light's 50-step cadence gets a 50-step
+  window), so periodic work (per-layer norms, fingerprint gathers, rank stats) is charged at
+  its real rate. Rarer work (gradient histograms every 100 steps) happens at step 0 and is
+  counted as one-off. One-off work (the profiler window, the replay self-check, the freeze check, callback
   setup) is what the variant spends before the window beyond its steady rate.
 * Variants run interleaved: round ``r`` runs them in the list order rotated by ``r``. Each
   variant's overhead is its ratio to the ``none`` fit *of the same round* (neighbours in
@@ -53,6 +55,18 @@ def variant_overrides(variant: str) -> list[str]:
     return ["debug=none", f"+callbacks={variant}"]
 
 
+def cadence_window(cfg: Any, base: int, longest: int = 50) -> int:
+    """``base`` rounded up to a multiple of every callback cadence (``every_n_steps`` <= longest)."""
+    import math
+
+    period = 1
+    for conf in (cfg.get("callbacks") or {}).values():
+        n = conf.get("every_n_steps") if hasattr(conf, "get") else None
+        if isinstance(n, int) and 0 < n <= longest:
+            period = period * n // math.gcd(period, n)
+    return -(-base // period) * period
+
+
 def cell_overrides(cell: str) -> list[str]:
     stage, ranks = cell.split(":")
     return [f"strategy={stage}", "trainer=cpu" if ranks == "1" else "trainer=ddp_sim",
@@ -86,8 +100,10 @@ def worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for variant in harness.rotated(variants, r):
             run_dir = out / "runs" / f"r{r}_{variant}"
-            fit = harness.fit([*cell_overrides(args.cell), *variant_overrides(variant), *args.override,
-                               f"trainer.max_steps={args.warmup + args.window}"], run_dir)
+            overrides = [*cell_overrides(args.cell), *variant_overrides(variant), *args.override]
+            window = cadence_window(harness.compose([*harness.QUIET, *overrides], run_dir), args.window)
+            fit = harness.fit([*overrides, f"trainer.max_steps={args.warmup + window}"], run_dir)
+            fit["window"] = window
             state = _global_state()
             if before is None:
                 before = state
@@ -103,12 +119,13 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(cell: dict[str, Any]) -> dict[str, Any]:
     """Per variant: steady overhead (median over rounds of mean/none_mean - 1), one-off seconds."""
-    warmup, window = cell["warmup"], cell["window"]
+    warmup = cell["warmup"]
     by_round: dict[int, dict[str, dict]] = {}
     for fit in cell["fits"]:
         by_round.setdefault(fit["round"], {})[fit["variant"]] = {
-            **harness.window_stats(fit["step_s"], warmup, window), "setup_s": fit["setup_s"],
-            "tokens_per_step": fit["tokens_per_step"], "leaked": fit["leaked"]}
+            **harness.window_stats(fit["step_s"], warmup, fit.get("window", cell["window"])), "setup_s": fit["setup_s"],
+            "tokens_per_step": fit["tokens_per_step"], "leaked": fit["leaked"],
+            "window": fit.get("window", cell["window"])}
     rows: dict[str, Any] = {}
     variants = {v for fits in by_round.values() for v in fits}
     for variant in sorted(variants, key=lambda v: (PRESETS + CALLBACKS + [v]).index(v)):
@@ -130,6 +147,7 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
         oneoff = statistics.median(oneoffs)
         tokens = next(f[variant]["tokens_per_step"] for f in by_round.values() if variant in f)
         rows[variant] = {
+            "window": next(f[variant]["window"] for f in by_round.values() if variant in f),
             "step_ms": 1000 * statistics.median(means),
             "steady": steady,
             "steady_min": min(ratios), "steady_max": max(ratios),
@@ -181,17 +199,17 @@ def table(results: dict[str, Any]) -> str:
     lines = []
     for cell, data in results["cells"].items():
         rows = data["summary"]
-        lines += [f"### {cell.replace(':', ', ')} rank(s) ({data['rounds']} rounds, window {data['window']} "
-                  f"steps after {data['warmup']}, {data['wall_s']:.0f} s)", "",
-                  "| variant | step (ms) | steady overhead | min..max over rounds | typical step | one-off (s) | "
+        lines += [f"### {cell.replace(':', ', ')} rank(s) ({data['rounds']} rounds, windows after {data['warmup']} "
+                  f"warm-up steps, {data['wall_s']:.0f} s)", "",
+                  "| variant | window | step (ms) | steady overhead | min..max over rounds | typical step | one-off (s) | "
                   "default run | target |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for variant, row in rows.items():
             target = TARGETS.get(variant)
             verdict = "" if target is None else ("met" if row["default_run"] <= target else "**over**") + \
                 f" (<= {100 * target:.0f}%)"
             leak = " (leaked: " + ", ".join(row["leaked"]) + ")" if row["leaked"] else ""
-            lines.append(f"| {variant}{leak} | {row['step_ms']:.0f} | {pct(row['steady'])} | "
+            lines.append(f"| {variant}{leak} | {row['window']} | {row['step_ms']:.0f} | {pct(row['steady'])} | "
                          f"{pct(row['steady_min'])}..{pct(row['steady_max'])} | {pct(row['typical_step'])} | "
                          f"{row['oneoff_s']:+.2f} | {pct(row['default_run'])} | {verdict} |")
         lines.append("")
@@ -232,7 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="none (always included), light, full and/or callback names")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=10, help="steps before the window (one-off work happens here)")
-    p.add_argument("--window", type=int, default=50, help="steps timed (a multiple of the cadences 10 and 50)")
+    p.add_argument("--window", type=int, default=20,
+                   help="steps timed; rounded up per variant to a multiple of its callback cadences")
     p.add_argument("--prime", type=int, default=10, help="steps of an untimed debug=none fit first")
     p.add_argument("--out", default=str(harness.REPO / "logs" / "bench" / "overhead"))
     p.add_argument("--override", action="append", default=[],

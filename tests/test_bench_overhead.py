@@ -97,3 +97,13 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     assert results["machine"]["versions"]["deepspeed"]
     assert "| light |" in (out / "overhead.md").read_text()
     assert (out / "overhead.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_variant_window_holds_its_cadences_a_whole_number_of_times(tmp_path):
+    def window(variant, base=20):
+        cfg = harness.compose([*harness.QUIET, *overhead.variant_overrides(variant)], tmp_path)
+        return overhead.cadence_window(cfg, base)
+    assert window("none") == 20
+    assert window("light") == 50          # grad_monitor / data_inspector / log_sync every 50 steps
+    assert window("full") == 20           # every 10 steps at the callbacks' defaults
+    assert window("grad_monitor", base=25) == 30
