@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast clean-logs
+.PHONY: setup train test test-fast bench bench-full clean-logs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,18 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# make bench: the CPU benchmark set (docs/benchmarks.md), < 15 min on 2 cores; not part of make test.
+# Results and plots under logs/bench/. make bench-full adds every debug callback alone.
+BENCH_OVERHEAD ?= --variants none,light,full --rounds 2
+bench: setup
+	$(PY) benchmarks/zero_memory.py
+	$(PY) benchmarks/framework_vs_raw.py
+	$(PY) benchmarks/overhead.py $(BENCH_OVERHEAD)
+	$(PY) benchmarks/scaling.py
+
+bench-full: setup
+	$(PY) benchmarks/overhead.py --rounds 2 --out logs/bench/overhead_full
 
 clean-logs:
 	rm -rf logs multirun outputs
