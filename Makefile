@@ -30,10 +30,11 @@ test-fast: setup
 
 # make bench: the CPU benchmark set (docs/benchmarks.md), < 15 min on 2 cores; not part of make test.
 # Results and plots under logs/bench/. make bench-full adds every debug callback alone.
-BENCH_OVERHEAD ?= --variants none,light,full --rounds 2
+# bench-full: all four cells (zero2/zero3 x 1/2 ranks) x every variant (~17 min).
+BENCH_OVERHEAD ?= --cells zero2:1,zero3:2 --variants none,light,full --rounds 3
 bench: setup
 	$(PY) benchmarks/zero_memory.py
-	$(PY) benchmarks/framework_vs_raw.py
+	$(PY) benchmarks/framework_vs_raw.py --steps 30
 	$(PY) benchmarks/overhead.py $(BENCH_OVERHEAD)
 	$(PY) benchmarks/scaling.py
 

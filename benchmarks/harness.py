@@ -112,14 +112,23 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     }
 
 
-def window_stats(step_s: list[float], warmup: int, window: int) -> dict[str, float]:
-    """Steady-state numbers of one fit: the window is steps [warmup, warmup + window)."""
+def window_stats(step_s: list[float], warmup: int, window: int, cadences: tuple[int, ...] = ()) -> dict[str, float]:
+    """Steady-state numbers of one fit: the window is steps [warmup, warmup + window).
+
+    ``steady_s`` = the window's median step + the excess of its periodic steps (steps that are a
+    multiple of one of ``cadences``) over that median, spread over the window: periodic work is
+    charged at its real rate, while a random slow step (another process on the machine) is
+    not charged at all unless it lands on a periodic step. ``mean_s`` charges everything.
+    """
     steps = step_s[warmup:warmup + window]
     if len(steps) < window:
         raise ValueError(f"fit ran {len(step_s)} steps, the window needs {warmup + window}")
+    median = statistics.median(steps)
+    periodic = [t for i, t in enumerate(steps, start=warmup) if any(i % c == 0 for c in cadences)]
     return {
-        "mean_s": statistics.fmean(steps),      # periodic work (every N steps) counts here
-        "median_s": statistics.median(steps),   # the typical step, periodic work left out
+        "steady_s": median + sum(max(0.0, t - median) for t in periodic) / len(steps),
+        "mean_s": statistics.fmean(steps),
+        "median_s": median,
         "warmup_s": sum(step_s[:warmup]),
     }
 

@@ -8,8 +8,10 @@ Method (docs/benchmarks.md has the results):
 * A *cell* is a ZeRO stage x a number of ranks (``zero2:1``, ``zero3:2``, ...). Each cell is one
   process group that fits every variant in turn (harness.py): the same default model, data,
   seed and optimizer, built as ``train.py strategy=<stage> debug=<variant>`` builds them.
-* Each fit runs ``warmup + window`` optimizer steps. The window's **mean** step time is the
-  steady-state cost. A variant's window is ``--window`` rounded up to a multiple of its
+* Each fit runs ``warmup + window`` optimizer steps. Its steady step time is the window's
+  median step plus the excess of its periodic steps (multiples of a callback cadence) spread
+  over the window (harness.window_stats): periodic work is charged at its real rate, a random
+  slow step caused by something else on the machine is not. A variant's window is ``--window`` rounded up to a multiple of its
   callbacks' cadences (``every_n_steps`` up to 50: light's 50-step cadence gets a 50-step
   window), so periodic work (per-layer norms, fingerprint gathers, rank stats) is charged at
   its real rate. Rarer work (gradient histograms every 100 steps) happens at step 0 and is
@@ -55,15 +57,23 @@ def variant_overrides(variant: str) -> list[str]:
     return ["debug=none", f"+callbacks={variant}"]
 
 
+def cadences(cfg: Any, longest: int = 50) -> tuple[int, ...]:
+    """The callbacks' ``every_n_steps`` cadences up to ``longest`` steps."""
+    found = set()
+    for conf in (cfg.get("callbacks") or {}).values():
+        n = conf.get("every_n_steps") if hasattr(conf, "get") else None
+        if isinstance(n, int) and 0 < n <= longest:
+            found.add(n)
+    return tuple(sorted(found))
+
+
 def cadence_window(cfg: Any, base: int, longest: int = 50) -> int:
     """``base`` rounded up to a multiple of every callback cadence (``every_n_steps`` <= longest)."""
     import math
 
     period = 1
-    for conf in (cfg.get("callbacks") or {}).values():
-        n = conf.get("every_n_steps") if hasattr(conf, "get") else None
-        if isinstance(n, int) and 0 < n <= longest:
-            period = period * n // math.gcd(period, n)
+    for n in cadences(cfg, longest):
+        period = period * n // math.gcd(period, n)
     return -(-base // period) * period
 
 
@@ -101,9 +111,10 @@ def worker(args: argparse.Namespace) -> None:
         for variant in harness.rotated(variants, r):
             run_dir = out / "runs" / f"r{r}_{variant}"
             overrides = [*cell_overrides(args.cell), *variant_overrides(variant), *args.override]
-            window = cadence_window(harness.compose([*harness.QUIET, *overrides], run_dir), args.window)
+            cfg = harness.compose([*harness.QUIET, *overrides], run_dir)
+            window = cadence_window(cfg, args.window)
             fit = harness.fit([*overrides, f"trainer.max_steps={args.warmup + window}"], run_dir)
-            fit["window"] = window
+            fit["window"], fit["cadences"] = window, list(cadences(cfg))
             state = _global_state()
             if before is None:
                 before = state
@@ -123,7 +134,8 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
     by_round: dict[int, dict[str, dict]] = {}
     for fit in cell["fits"]:
         by_round.setdefault(fit["round"], {})[fit["variant"]] = {
-            **harness.window_stats(fit["step_s"], warmup, fit.get("window", cell["window"])), "setup_s": fit["setup_s"],
+            **harness.window_stats(fit["step_s"], warmup, fit.get("window", cell["window"]),
+                                   tuple(fit.get("cadences", ()))), "setup_s": fit["setup_s"],
             "tokens_per_step": fit["tokens_per_step"], "leaked": fit["leaked"],
             "window": fit.get("window", cell["window"])}
     rows: dict[str, Any] = {}
@@ -134,15 +146,15 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
             if variant not in fits or "none" not in fits:
                 continue
             v, n = fits[variant], fits["none"]
-            ratios.append(v["mean_s"] / n["mean_s"] - 1)
+            ratios.append(v["steady_s"] / n["steady_s"] - 1)
             medians.append(v["median_s"] / n["median_s"] - 1)
             # what the variant spends before the window beyond its steady rate, vs none
-            extra = lambda f: f["setup_s"] + f["warmup_s"] - warmup * f["mean_s"]  # noqa: E731
+            extra = lambda f: f["setup_s"] + f["warmup_s"] - warmup * f["steady_s"]  # noqa: E731
             oneoffs.append(extra(v) - extra(n))
-            means.append(v["mean_s"])
+            means.append(v["steady_s"])
         if not ratios:
             continue
-        none_mean = statistics.median(f["none"]["mean_s"] for f in by_round.values() if "none" in f)
+        none_mean = statistics.median(f["none"]["steady_s"] for f in by_round.values() if "none" in f)
         steady = statistics.median(ratios)
         oneoff = statistics.median(oneoffs)
         tokens = next(f[variant]["tokens_per_step"] for f in by_round.values() if variant in f)
@@ -250,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="none (always included), light, full and/or callback names")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=10, help="steps before the window (one-off work happens here)")
-    p.add_argument("--window", type=int, default=20,
+    p.add_argument("--window", type=int, default=10,
                    help="steps timed; rounded up per variant to a multiple of its callback cadences")
     p.add_argument("--prime", type=int, default=10, help="steps of an untimed debug=none fit first")
     p.add_argument("--out", default=str(harness.REPO / "logs" / "bench" / "overhead"))

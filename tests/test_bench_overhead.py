@@ -31,19 +31,23 @@ def test_rotated_rounds_put_every_variant_first_once():
     assert all(sorted(o) == sorted(items) for o in orders)
 
 
-def test_window_stats_mean_counts_periodic_steps_median_does_not():
-    steps = [5.0, 4.0] + [1.0] * 9 + [2.0]  # warm-up 2, then a periodic step costing 1 s extra
-    stats = harness.window_stats(steps, warmup=2, window=10)
-    assert stats["mean_s"] == pytest.approx(1.1)
+def test_window_stats_charge_periodic_steps_not_random_slow_ones():
+    # warm-up 2; window steps 2..11: step 10 is periodic (cadence 10) and costs 1 s extra,
+    # step 5 is slowed by something else on the machine
+    steps = [5.0, 4.0] + [1.0] * 3 + [3.0] + [1.0] * 4 + [2.0, 1.0]
+    stats = harness.window_stats(steps, warmup=2, window=10, cadences=(10,))
     assert stats["median_s"] == 1.0
+    assert stats["steady_s"] == pytest.approx(1.1)     # the periodic excess, spread over 10 steps
+    assert stats["mean_s"] == pytest.approx(1.3)       # the mean also charges the random slow step
     assert stats["warmup_s"] == 9.0
+    assert harness.window_stats(steps, 2, 10)["steady_s"] == 1.0  # no cadence: the median
     with pytest.raises(ValueError, match="needs 13"):
         harness.window_stats(steps, warmup=3, window=10)
 
 
 def _fit(r, variant, step, warm_extra=0.0, setup=0.5):
     return {"round": r, "variant": variant, "setup_s": setup, "tokens_per_step": 1024, "leaked": {},
-            "step_s": [step + warm_extra / 2] * 2 + [step] * 4}
+            "step_s": [step + warm_extra / 2] * 2 + [step] * 4, "window": 4, "cadences": []}
 
 
 def test_summary_ratio_is_per_round_so_drift_cancels():
