@@ -82,6 +82,41 @@ class StepTimer:
         return _StepTimer()
 
 
+def time_hooks(callbacks: list[Any], timer: Any) -> dict[str, list[float]]:
+    """Wrap every hook the debug callbacks (``src.callbacks.*``) override with a stopwatch.
+
+    Returns callback name -> seconds spent in its hooks per training step (the step in progress
+    when the hook ran, from ``timer``). Hook time and step time come from the same steps of the
+    same fit, so their ratio -- the callbacks' direct cost -- does not move when the machine
+    gets slower or faster between fits. Indirect costs (deterministic kernels, a wrapped
+    collective, a log handler) are not in it; the A/B step-time comparison has those.
+    """
+    from lightning.pytorch.callbacks import Callback
+
+    hooks = [n for n, f in vars(Callback).items() if callable(f) and not n.startswith("_")
+             and n not in ("state_key", "state_dict", "load_state_dict")]
+    spent: dict[str, list[float]] = {}
+    for cb in callbacks:
+        if not type(cb).__module__.startswith("src.callbacks."):
+            continue
+        per_step = spent.setdefault(getattr(cb, "name", type(cb).__name__), [])
+        for name in hooks:
+            if getattr(type(cb), name, None) is getattr(Callback, name):
+                continue  # not overridden: Lightning's no-op
+
+            def timed(*args: Any, _fn: Any = getattr(cb, name), _acc: list = per_step, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    step = len(timer.ends)
+                    _acc.extend([0.0] * (step + 1 - len(_acc)))
+                    _acc[step] += time.perf_counter() - start
+
+            setattr(cb, name, timed)
+    return spent
+
+
 def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Fit one variant in this process, as train.py would build it; return its step timings."""
     import lightning as L
@@ -99,12 +134,15 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     timer = StepTimer()
     # the final checkpoint is I/O after the timed window: leave it out of every variant alike
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)] + [timer]
+    hook_s = time_hooks(trainer.callbacks, timer)
     trainer.fit(module, datamodule=datamodule)
     return {
         "wall_s": time.perf_counter() - started,
         "build_s": timer.t_setup - started,
         "setup_s": timer.t_train_start - timer.t_setup,
         "step_s": timer.step_times(),
+        # per debug callback, seconds inside its hooks per step (index 0 = setup .. step 0)
+        "hook_s": {name: per_step for name, per_step in hook_s.items()},
         "world_size": trainer.world_size,
         "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len * trainer.world_size,
         "rank": trainer.global_rank,

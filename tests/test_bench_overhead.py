@@ -64,6 +64,15 @@ def test_summary_ratio_is_per_round_so_drift_cancels():
     assert rows["light"]["tokens_per_s"] == pytest.approx(1024 / 1.65)
 
 
+def test_direct_share_is_hook_time_over_the_rest_of_the_window():
+    fit = {"window": 4, "step_s": [9.0, 9.0, 1.0, 1.0, 1.0, 1.0],
+           "hook_s": {"grad_monitor": [5.0, 0, 0.1, 0.1, 0.1, 0.1], "data_inspector": [0, 0, 0, 0, 0.2, 0]}}
+    share = overhead.direct_share(fit, warmup=2)
+    assert share["direct"] == pytest.approx(0.6 / 3.4)
+    assert share["direct_by_cb"]["data_inspector"] == pytest.approx(0.2 / 3.4)
+    assert overhead.direct_share({"window": 4, "step_s": [1.0] * 6}, 2) == {"direct": 0.0, "direct_by_cb": {}}
+
+
 def test_bad_flags_are_one_line_errors():
     for args, needle in ((["--cells", "zero9:2"], "--cells entry 'zero9:2'"),
                          (["--variants", "none,grad_montor"], "--variants grad_montor unknown"),
@@ -90,11 +99,18 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     assert [(f["round"], f["variant"]) for f in cell["fits"]] == [(0, "none"), (0, "light"), (1, "light"), (1, "none")]
     debug = {"Reproducibility", "GradMonitor", "DataInspector", "CommDebug", "LogSync"}
     for fit in cell["fits"]:
-        assert len(fit["step_s"]) == 5 and all(t > 0 for t in fit["step_s"])
+        assert fit["window"] == (50 if fit["variant"] == "light" else 3)  # light's cadence is 50 steps
+        assert len(fit["step_s"]) == 2 + fit["window"] and all(t > 0 for t in fit["step_s"])
         assert fit["leaked"] == {}, (fit["variant"], fit["leaked"])
         has = debug & set(fit["callbacks"])
         assert has == (debug if fit["variant"] == "light" else set()), (fit["variant"], fit["callbacks"])
         assert "PreemptionCheckpoint" in fit["callbacks"]  # the framework's own callbacks stay in every variant
+        # the stopwatch wrapped exactly the debug callbacks, and their hooks ran during the steps
+        timed = set(fit["hook_s"])
+        assert timed == ({"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync"}
+                         if fit["variant"] == "light" else set()), timed
+        if timed:
+            assert all(sum(fit["hook_s"][cb][2:5]) > 0 for cb in ("grad_monitor", "data_inspector")), fit["hook_s"]
     results = json.loads((out / "overhead.json").read_text())
     rows = results["cells"]["zero2:1"]["summary"]
     assert set(rows) == {"none", "light"} and rows["light"]["rounds"] == 2
