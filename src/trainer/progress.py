@@ -1,0 +1,37 @@
+"""The progress bar, throttled: Lightning's `RichProgressBar` redrawn at most once per interval.
+
+Lightning's bar reads every progress-bar metric and updates the rich task after every training
+batch. On the default CPU run (~0.35 s/step) that cost 5-9 % of the step time
+(benchmarks/framework_vs_raw.py, docs/benchmarks.md); at GPU step times it would be more.
+Here the per-batch update runs only when ``min_interval_s`` has passed since the last one (and
+always for the last batch of an epoch), so a human still sees it move about once a second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from lightning.pytorch.callbacks import RichProgressBar
+
+
+class ThrottledRichProgressBar(RichProgressBar):
+    def __init__(self, min_interval_s: float = 1.0, **kwargs: Any) -> None:
+        from src.errors import ConfigError
+
+        if not isinstance(min_interval_s, (int, float)) or isinstance(min_interval_s, bool) or min_interval_s < 0:
+            raise ConfigError(f"callbacks.rich_progress_bar.min_interval_s={min_interval_s!r} is invalid; "
+                              f"valid: a number of seconds >= 0 (0 = every batch)")
+        super().__init__(**kwargs)
+        self.min_interval_s = float(min_interval_s)
+        self._last_update = -math.inf
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.monotonic()
+        total = self.total_train_batches
+        last = isinstance(total, (int, float)) and math.isfinite(total) and batch_idx + 1 >= total
+        if now - self._last_update < self.min_interval_s and not last:
+            return
+        self._last_update = now
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
