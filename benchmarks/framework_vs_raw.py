@@ -322,6 +322,7 @@ def framework_command(args: argparse.Namespace, ranks: int, log_dir: Path) -> li
 
 def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path) -> dict[str, Any]:
     log_dir = run_dir / "framework"
+    shutil.rmtree(log_dir, ignore_errors=True)  # an earlier benchmark's run (ours, under --out) would be read twice
     wall = run_supervised(framework_command(args, ranks, log_dir), run_dir / "framework.log", args.timeout,
                           _env(ranks))
     histories = sorted(log_dir.glob("*/runs/*/history.jsonl"))
