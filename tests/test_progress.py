@@ -16,6 +16,7 @@ def test_updates_at_most_once_per_interval_and_on_the_last_batch(monkeypatch):
     monkeypatch.setattr(ThrottledRichProgressBar, "total_train_batches", property(lambda self: 100))
     clock = [0.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: True, raising=False)
     bar = ThrottledRichProgressBar(min_interval_s=1.0)
     for batch_idx in range(100):  # 0.3 s per batch
         bar.on_train_batch_end(None, None, None, None, batch_idx)
@@ -28,6 +29,13 @@ def test_updates_at_most_once_per_interval_and_on_the_last_batch(monkeypatch):
     for batch_idx in range(5):
         every.on_train_batch_end(None, None, None, None, batch_idx)
     assert calls == [0, 1, 2, 3, 4]
+
+
+def test_redirected_stdout_uses_the_longer_interval(monkeypatch):
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: False, raising=False)
+    assert ThrottledRichProgressBar(min_interval_s=1.0, non_tty_interval_s=30.0).min_interval_s == 30.0
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: True, raising=False)
+    assert ThrottledRichProgressBar(min_interval_s=1.0, non_tty_interval_s=30.0).min_interval_s == 1.0
 
 
 def test_bad_interval_is_a_config_error():

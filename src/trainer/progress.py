@@ -5,11 +5,14 @@ batch. On the default CPU run (~0.35 s/step) that cost 5-9 % of the step time
 (benchmarks/framework_vs_raw.py, docs/benchmarks.md); at GPU step times it would be more.
 Here the per-batch update runs only when ``min_interval_s`` has passed since the last one (and
 always for the last batch of an epoch), so a human still sees it move about once a second.
+When stdout is not a terminal (a batch job writing to a log file, where every redraw is a
+line of log) the interval is ``non_tty_interval_s``.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -17,14 +20,16 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 
 class ThrottledRichProgressBar(RichProgressBar):
-    def __init__(self, min_interval_s: float = 1.0, **kwargs: Any) -> None:
+    def __init__(self, min_interval_s: float = 1.0, non_tty_interval_s: float = 30.0, **kwargs: Any) -> None:
         from src.errors import ConfigError
 
-        if not isinstance(min_interval_s, (int, float)) or isinstance(min_interval_s, bool) or min_interval_s < 0:
-            raise ConfigError(f"callbacks.rich_progress_bar.min_interval_s={min_interval_s!r} is invalid; "
-                              f"valid: a number of seconds >= 0 (0 = every batch)")
+        for key, value in (("min_interval_s", min_interval_s), ("non_tty_interval_s", non_tty_interval_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"callbacks.rich_progress_bar.{key}={value!r} is invalid; "
+                                  f"valid: a number of seconds >= 0 (0 = every batch)")
         super().__init__(**kwargs)
-        self.min_interval_s = float(min_interval_s)
+        interactive = getattr(sys.stdout, "isatty", lambda: False)()
+        self.min_interval_s = float(min_interval_s if interactive else non_tty_interval_s)
         self._last_update = -math.inf
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
