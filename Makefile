@@ -30,7 +30,7 @@ test-fast: setup
 
 # make bench: the CPU benchmark set (docs/benchmarks.md), < 15 min on 2 cores; not part of make test.
 # Results and plots under logs/bench/. make bench-full adds every debug callback alone.
-# bench-full: all four cells (zero2/zero3 x 1/2 ranks) x every variant (~17 min).
+# bench-full: all four cells (zero2/zero3 x 1/2 ranks) x every variant (~25 min).
 BENCH_OVERHEAD ?= --cells zero2:1,zero3:2 --variants none,light,full --rounds 2
 bench: setup
 	$(PY) benchmarks/zero_memory.py

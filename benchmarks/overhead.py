@@ -259,6 +259,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Default-run overhead per variant and cell: the A/B comparison and the direct (hook) cost."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,19 +267,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     cells = list(results["cells"])
     variants = [v for v in PRESETS[1:] + CALLBACKS if any(v in results["cells"][c]["summary"] for c in cells)]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
     width = 0.8 / max(1, len(cells))
-    for i, cell in enumerate(cells):
-        rows = results["cells"][cell]["summary"]
-        xs = [j + i * width for j in range(len(variants))]
-        ax.bar(xs, [100 * rows.get(v, {}).get("default_run", float("nan")) for v in variants], width, label=cell)
-    ax.set_xticks([j + width * (len(cells) - 1) / 2 for j in range(len(variants))], variants, rotation=30, ha="right")
-    for name, target in TARGETS.items():
-        ax.axhline(100 * target, ls="--", lw=0.8, color="gray")
-        ax.text(len(variants) - 0.5, 100 * target, f" {name} target", va="bottom", ha="right", fontsize=8)
-    ax.set_ylabel("overhead over debug=none, default run (%)")
-    ax.set_title("Cost of debugging: step time vs debug=none (median over interleaved rounds)")
-    ax.legend(title="stage:ranks", fontsize=8)
+    for ax, key, title in ((axes[0], "default_run", "A/B: step time vs debug=none (median over rounds; bars: min..max)"),
+                           (axes[1], "default_run_direct", "direct: time inside the debug callbacks' hooks + one-off")):
+        for i, cell in enumerate(cells):
+            rows = results["cells"][cell]["summary"]
+            xs = [j + i * width for j in range(len(variants))]
+            ys = [100 * rows.get(v, {}).get(key, float("nan")) for v in variants]
+            if key == "default_run":  # the spread of the steady part over rounds
+                lo = [100 * (rows[v]["steady"] - rows[v]["steady_min"]) if v in rows else 0 for v in variants]
+                hi = [100 * (rows[v]["steady_max"] - rows[v]["steady"]) if v in rows else 0 for v in variants]
+                ax.bar(xs, ys, width, label=cell, yerr=[lo, hi], capsize=2, error_kw={"lw": 0.7})
+            else:
+                ax.bar(xs, ys, width, label=cell)
+        for name, target in TARGETS.items():
+            ax.axhline(100 * target, ls="--", lw=0.8, color="gray")
+            ax.text(len(variants) - 0.5, 100 * target, f" {name} target", va="bottom", ha="right", fontsize=8)
+        ax.axhline(0, lw=0.6, color="black")
+        ax.set_ylabel("overhead, default run (%)")
+        ax.set_title(title, fontsize=10)
+    axes[1].set_xticks([j + width * (len(cells) - 1) / 2 for j in range(len(variants))], variants, rotation=30,
+                       ha="right")
+    axes[0].legend(title="stage:ranks", fontsize=8)
+    fig.suptitle("Cost of debugging over a default 300-step run", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
