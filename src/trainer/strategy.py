@@ -7,6 +7,12 @@ validation in `setup_distributed`, and ``device_rank=root_device.index`` (None o
 the two `deepspeed.initialize` calls. `DebugDeepSpeedStrategy` changes only those, and
 only when the root device is not CUDA; on GPUs it is Lightning's strategy unchanged.
 
+One change applies on every device: gradient accumulation. Lightning divides each
+micro-batch's loss by ``accumulate_grad_batches`` and DeepSpeed's ``engine.backward`` divided
+it again by ``gradient_accumulation_steps`` (Lightning #6170), so k x b accumulation gave
+1/k of the gradient of one k*b batch. `DebugDeepSpeedStrategy.backward` calls the engine
+with ``scale_wrt_gas=False``: Lightning's division is the only one.
+
 Both strategies launch child ranks with `HydraAwareLauncher` (see launcher.py).
 """
 
@@ -70,6 +76,14 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
     def _device_rank(self) -> int:
         index = self.root_device.index
         return self.local_rank if index is None else index
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine
+        # would divide it again by gradient_accumulation_steps (the same number: Lightning sets
+        # it), leaving gradients k times too small (Lightning #6170). The grad_scale check
+        # (src/callbacks/grad_scale.py) verifies the scale at the start of every run.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _format_config(self) -> None:
         resolve_auto_values(self.config, self.lightning_module, source=self._ds_config_source)
