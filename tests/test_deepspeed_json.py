@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError
-from src.trainer.ds_config import apply_ds_json_to_cfg, load_ds_config, resolve_auto_values
+from src.trainer.ds_auto import resolve_auto_values
+from src.trainer.ds_config import apply_ds_json_to_cfg, load_ds_config
 from tests.conftest import FAST, REPO, SMALL_DEEPSEEK, assert_ok, metrics, only_run_dir, run_train
 
 EXAMPLES = REPO / "examples" / "ds_configs"
@@ -58,12 +59,36 @@ def test_unresolvable_auto_is_a_one_line_error(tmp_path):
         resolve_auto_values(load_ds_config(path), None, source=str(path))
 
 
-def test_train_batch_size_must_match(tmp_path):
+@pytest.mark.parametrize("keys,devices,micro,accum", [
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, 4, 3, 1),
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, 2, 3, 2),   # accumulation derived
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 2, 4, 2),       # micro batch derived
+    ({"train_batch_size": 16}, 2, 8, 1),                                         # only the total: gas 1
+    ({"train_batch_size": 16, "gradient_accumulation_steps": "auto"}, 2, 8, 1),
+    ({"train_micro_batch_size_per_gpu": 5}, 2, 5, 1),                            # accumulation: the run's
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 2, 3),
+])
+def test_batch_keys_follow_deepspeeds_rule(keys, devices, micro, accum, tmp_path):
+    """DeepSpeedConfig._set_batch_related_parameters: any two of the three give the third."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}))
-    apply_ds_json_to_cfg(_cfg(path, devices=4), fp16_supported=True)  # 3 x 1 x 4 = 12: fine
-    with pytest.raises(ConfigError, match="train_batch_size=12 != micro batch 3"):
-        apply_ds_json_to_cfg(_cfg(path, devices=2), fp16_supported=True)
+    path.write_text(json.dumps(keys))
+    cfg = _cfg(path, devices=devices)
+    apply_ds_json_to_cfg(cfg, fp16_supported=True)
+    assert (cfg.data.batch_size, cfg.trainer.accumulate_grad_batches) == (micro, accum)
+
+
+@pytest.mark.parametrize("keys,devices,match", [
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, 8, r"train_batch_size=12 != .* = 0"),
+    ({"train_batch_size": 5}, 2, r"train_batch_size=5 != .*multiple of 2"),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 2,
+     r"train_batch_size=24 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 3 x world size 2"),
+    ({"train_batch_size": 0}, 1, r"train_batch_size=0 must be a positive integer"),
+])
+def test_inconsistent_batch_keys_are_one_line_errors(keys, devices, match, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(keys))
+    with pytest.raises(ConfigError, match=match):
+        apply_ds_json_to_cfg(_cfg(path, devices=devices), fp16_supported=True)
 
 
 @pytest.mark.slow

@@ -146,12 +146,19 @@ class CausalLMModule(L.LightningModule):
         optimizer = self.optimizer_factory(groups)
         if getattr(self.trainer.strategy, "offloads_optimizer", False):
             optimizer = _as_cpu_adam(optimizer, groups)
-        if self.scheduler_factory is None:
+        scheduler = self.lr_scheduler_for(optimizer)
+        if scheduler is None:
             return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_for(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The project's schedule (optim.scheduler) over the run's optimizer steps, None without one.
+        The DeepSpeed strategy also hands it an optimizer that a ds_config.json built."""
+        if self.scheduler_factory is None:
+            return None
         total = self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else 1000
-        scheduler = self.scheduler_factory(optimizer, total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return self.scheduler_factory(optimizer, total_steps=total)
 
 
 def _as_cpu_adam(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:

@@ -1,11 +1,17 @@
-"""A user's ds_config.json, passed through verbatim, with HF-style "auto" values resolved.
+"""A user's ds_config.json: read, translated where DeepSpeed renamed keys, settled with the run.
 
-Two moments:
-1. Before the Trainer exists (`apply_ds_json_to_cfg`): numbers the JSON fixes (micro batch,
-   gradient accumulation, clipping, fp16/bf16) become the run's Hydra config values, so
-   the DataLoader, the Trainer and DeepSpeed agree. The JSON wins; each change is logged.
-2. At strategy setup (`resolve_auto_values`): the remaining "auto" values are filled from
-   the trainer and model the way HF Trainer does (bucket sizes from hidden_size).
+Three moments:
+1. ``check_ds_json`` (validate_config, before torch is imported): the file parses, and no key
+   that cannot apply here is set (ds_keys.refusals): a bad file fails in about a second.
+2. ``apply_ds_json_to_cfg`` (before the Trainer exists): numbers the JSON fixes (batch sizes by
+   DeepSpeed's own rule, accumulation, clipping, fp16/bf16) become the run's Hydra config values,
+   so the DataLoader, the Trainer and DeepSpeed agree. The JSON wins; each change is logged, then
+   one line lists the keys translated or not used under Lightning, and warnings name unknown keys
+   and a JSON optimizer/scheduler that replaces the project's.
+3. At strategy setup (ds_auto.resolve_auto_values): the remaining "auto" values are filled from
+   the trainer, the module's optimizer settings and the model, the way HF Trainer does.
+
+What each key does: src/trainer/ds_keys.py and docs/ds_config.md.
 """
 
 from __future__ import annotations
@@ -16,21 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from src.errors import ConfigError
+from src.trainer import ds_keys
 
 log = logging.getLogger(__name__)
 
-# Keys that Lightning fills itself when absent: an "auto" there just means "absent".
-_LIGHTNING_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
-# zero_optimization "auto" values, as HF Trainer resolves them from the model's hidden size.
-_ZERO_AUTO = {
-    "reduce_bucket_size": lambda h: h * h,
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
+# deprecated ZeRO keys DeepSpeed still maps, rewritten here so the framework sees the new form
+# (the optimizer swap for offload reads offload_optimizer)
+_ZERO_RENAMED = {
+    "cpu_offload": ("offload_optimizer", "offload_optimizer.device=cpu"),
+    "cpu_offload_param": ("offload_param", "offload_param.device=cpu"),
 }
 
 
-def load_ds_config(path: str | Path) -> dict:
-    """Read and sanity-check a ds_config.json; one-line ConfigError on any problem."""
+def read_ds_config(path: str | Path, notes: list[str] | None = None) -> dict:
+    """Parse a ds_config.json and translate deprecated keys (pure Python; one-line errors)."""
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = _original_cwd() / p
@@ -38,12 +43,44 @@ def load_ds_config(path: str | Path) -> dict:
         raise ConfigError(f"strategy.config={path}: file not found ({p}); pass a path to a DeepSpeed JSON config")
     try:
         config = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"strategy.config={p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"strategy.config={p}: invalid JSON{where}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"strategy.config={p}: top level must be a JSON object, got {type(config).__name__}")
-    _validate_zero_section(config, p)
+    _translate_deprecated(config, notes if notes is not None else [])
     return config
+
+
+def load_ds_config(path: str | Path, notes: list[str] | None = None) -> dict:
+    """read_ds_config + the ZeRO section validated with DeepSpeed's own pydantic model."""
+    config = read_ds_config(path, notes)
+    _validate_zero_section(config, path)
+    return config
+
+
+def _translate_deprecated(config: dict, notes: list[str]) -> None:
+    zero = config.get("zero_optimization")
+    if isinstance(zero, bool):  # the oldest format: "zero_optimization": true = stage 1
+        config["zero_optimization"] = zero = {"stage": 1 if zero else 0}
+        if "allgather_size" in config:
+            zero["allgather_bucket_size"] = config.pop("allgather_size")
+        notes.append(f"zero_optimization={str(bool(zero['stage'])).lower()} -> {{\"stage\": {zero['stage']}}} "
+                     "(deprecated boolean form)")
+    if isinstance(zero, dict):
+        pin = zero.pop("cpu_offload_use_pin_memory", None)
+        for old, (new, said) in _ZERO_RENAMED.items():
+            if old not in zero:
+                continue
+            value = zero.pop(old)
+            if value and new not in zero:
+                zero[new] = {"device": "cpu", **({"pin_memory": bool(pin)} if pin is not None else {})}
+            notes.append(f"zero_optimization.{old}={json.dumps(value)} -> {said if value else 'nothing'} (deprecated)")
+    if "bfloat16" in config:
+        section = config.pop("bfloat16")
+        if "bf16" not in config:
+            config["bf16"] = section
+        notes.append("bfloat16 -> bf16 (old name)")
 
 
 def _validate_zero_section(config: dict, source: Path | str) -> None:
@@ -64,7 +101,14 @@ def _validate_zero_section(config: dict, source: Path | str) -> None:
     except ValidationError as e:
         err = e.errors()[0]
         key = ".".join(str(x) for x in err.get("loc", ()))
-        raise ConfigError(f"{source}: zero_optimization.{key}: {err.get('msg')}") from None
+        hint = ""
+        if err.get("type") == "extra_forbidden":
+            import difflib
+
+            fields = [f.alias or n for n, f in DeepSpeedZeroConfig.model_fields.items()]
+            close = difflib.get_close_matches(key.split(".")[-1], fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{source}: zero_optimization.{key}: {err.get('msg')}{hint}") from None
 
 
 def _original_cwd() -> Path:
@@ -76,13 +120,22 @@ def _original_cwd() -> Path:
         return Path.cwd()
 
 
+def check_ds_json(cfg: Any) -> None:
+    """Before anything heavy: the file reads and no refused key is set (validate_config)."""
+    source = cfg.strategy.get("config") if "strategy" in cfg else None
+    if isinstance(source, str):
+        ds = read_ds_config(source)
+        ds_keys.refusals(ds, source, on_cpu=str(cfg.trainer.accelerator) == "cpu")
+        settle_batch(ds, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches, _world_size(cfg), source)
+
+
 def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool) -> None:
     """Make the Hydra config follow the numbers a ds_config.json fixes (the JSON wins)."""
     source = cfg.strategy.get("config")
     if not isinstance(source, str):
         return
-    ds = load_ds_config(source)
-    world = _world_size(cfg)
+    notes: list[str] = []
+    ds = load_ds_config(source, notes)
     changes = []
 
     def set_value(key: str, value: Any, origin: str) -> None:
@@ -94,25 +147,14 @@ def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool) -> None:
             changes.append(f"{key}={value} (from {origin})")
             target[leaf] = value
 
-    micro = ds.get("train_micro_batch_size_per_gpu", "auto")
-    if micro != "auto":
-        set_value("data.batch_size", int(micro), "train_micro_batch_size_per_gpu")
-    accum = ds.get("gradient_accumulation_steps", "auto")
-    if accum != "auto":
-        set_value("trainer.accumulate_grad_batches", int(accum), "gradient_accumulation_steps")
+    micro, accum, origin = settle_batch(ds, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches,
+                                        _world_size(cfg), source)
+    set_value("data.batch_size", micro, origin["micro"])
+    set_value("trainer.accumulate_grad_batches", accum, origin["accum"])
     clip = ds.get("gradient_clipping", "auto")
     if clip != "auto":
         set_value("trainer.gradient_clip_val", float(clip), "gradient_clipping")
-    total = ds.get("train_batch_size", "auto")
-    if total != "auto":
-        expected = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world
-        if int(total) != expected:
-            raise ConfigError(
-                f"{source}: train_batch_size={total} != micro batch {cfg.data.batch_size} x accumulation "
-                f"{cfg.trainer.accumulate_grad_batches} x world size {world} = {expected}; set it to {expected} or \"auto\""
-            )
-    fp16 = _enabled(ds.get("fp16"))
-    bf16 = _enabled(ds.get("bf16"))
+    fp16, bf16 = _enabled(ds.get("fp16")), _enabled(ds.get("bf16"))
     if fp16 is True and bf16 is True:
         raise ConfigError(f"{source}: fp16.enabled and bf16.enabled are both true; enable at most one")
     if fp16 is True:
@@ -128,74 +170,74 @@ def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool) -> None:
         set_value("trainer.precision", "bf16-mixed", "bf16.enabled")
     for change in changes:
         log.info("ds_config: %s", change)
+    _say_what_is_not_used(ds, source, notes, cfg)
+
+
+def settle_batch(ds: dict, batch_size: int, accum: int, world: int, source: str) -> tuple[int, int, dict]:
+    """(micro batch per rank, accumulation, where each came from), by DeepSpeed's own rule
+    (DeepSpeedConfig._set_batch_related_parameters); "auto" or absent = the run's value, except
+    that a train_batch_size given without gradient_accumulation_steps means 1, as DeepSpeed has it."""
+    def fixed(key: str) -> int | None:
+        value = ds.get(key, "auto")
+        if value == "auto":
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+            raise ConfigError(f"{source}: {key}={value!r} must be a positive integer or \"auto\"")
+        return int(value)
+
+    total, micro, gas = fixed("train_batch_size"), fixed("train_micro_batch_size_per_gpu"), \
+        fixed("gradient_accumulation_steps")
+    origin = {"micro": "train_micro_batch_size_per_gpu", "accum": "gradient_accumulation_steps"}
+    if total is None:
+        return micro or batch_size, gas or accum, origin
+    rule = f"train_batch_size={total} by DeepSpeed's rule"
+    if micro is None and gas is None:
+        gas, origin["accum"] = 1, rule
+    if micro is None:
+        micro, origin["micro"] = total // (world * gas), rule
+    elif gas is None:
+        gas, origin["accum"] = total // (world * micro), rule
+    if micro < 1 or gas < 1 or micro * gas * world != total:
+        raise ConfigError(
+            f"{source}: train_batch_size={total} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {gas} x world size {world} = {micro * gas * world}; valid: a "
+            f"train_batch_size that is a multiple of {world * (gas if fixed('gradient_accumulation_steps') else 1)}"
+            f" (world size{' x accumulation' if fixed('gradient_accumulation_steps') else ''}), or \"auto\"")
+    return micro, gas, origin
+
+
+def _say_what_is_not_used(ds: dict, source: str, notes: list[str], cfg: Any) -> None:
+    """One info line for translated and unused keys; warnings for unknown keys and replacements."""
+    ignored = ds_keys.ignored_keys(ds)
+    if notes or ignored:
+        parts = ([f"translated {'; '.join(notes)}"] if notes else []) + \
+                ([f"not used under Lightning: {'; '.join(ignored)}"] if ignored else [])
+        log.info("ds_config %s: %s", Path(source).name, " | ".join(parts))
+    unknown = ds_keys.unknown_keys(ds)
+    if unknown:
+        log.warning("ds_config %s: DeepSpeed does not know %s and ignores it (a typo?)", Path(source).name,
+                    ", ".join(unknown))
+    optimizer, scheduler = ds.get("optimizer"), ds.get("scheduler")
+    ours = cfg.get("optim", {}) if hasattr(cfg, "get") else {}
+    if isinstance(optimizer, dict):
+        target = (ours.get("optimizer") or {}).get("_target_", "the project's optimizer")
+        log.warning("ds_config %s: \"optimizer\" (%s) replaces optim.optimizer (%s): DeepSpeed builds it from the "
+                    "JSON; optim.* only fills its \"auto\" params", Path(source).name, optimizer.get("type"), target)
+        if scheduler is None and ours.get("scheduler"):
+            log.info("ds_config %s: no \"scheduler\" in the JSON: the project's schedule (optim.scheduler) drives "
+                     "the JSON optimizer", Path(source).name)
+    if isinstance(scheduler, dict):
+        log.warning("ds_config %s: \"scheduler\" (%s) replaces optim.scheduler (the project's warmup + cosine)",
+                    Path(source).name, scheduler.get("type"))
 
 
 def _enabled(section: Any) -> bool | str | None:
     if not isinstance(section, dict):
         return None
-    return section.get("enabled", True)  # DeepSpeed treats a present section as enabled
+    return section.get("enabled", False)  # DeepSpeed 0.19: a section without "enabled" is off
 
 
 def _world_size(cfg: Any) -> int:
     devices = cfg.trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) and devices > 0 else 1
     return devices * int(cfg.trainer.get("num_nodes", 1) or 1)
-
-
-def resolve_auto_values(config: dict | None, module: Any, source: str | None = None) -> None:
-    """Resolve "auto" in-place from the trainer/model; error on any "auto" we cannot resolve."""
-    if not config:
-        return
-    where = source or "deepspeed config"
-    trainer = getattr(module, "trainer", None) if module is not None else None
-    for key in _LIGHTNING_FILLED + ("train_batch_size",):
-        if config.get(key) == "auto":
-            del config[key]  # Lightning/DeepSpeed derive it from the trainer
-    # A numeric value that Lightning also sets must agree with the trainer (apply_ds_json_to_cfg
-    # made it so); Lightning refuses the key, so drop it once checked.
-    accum = config.get("gradient_accumulation_steps")
-    if accum is not None and trainer is not None:
-        if int(accum) != trainer.accumulate_grad_batches:
-            raise ConfigError(
-                f"{where}: gradient_accumulation_steps={accum} but trainer.accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}; make them equal or use \"auto\""
-            )
-        del config["gradient_accumulation_steps"]
-    precision = str(getattr(trainer, "precision", "32-true")) if trainer is not None else "32-true"
-    for key, wanted in (("fp16", precision.startswith("16")), ("bf16", precision.startswith("bf16"))):
-        section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled") == "auto":
-            section["enabled"] = wanted
-        if isinstance(section, dict) and not wanted and section.get("enabled", True) is True:
-            # e.g. fp16 in the JSON downgraded to bf16 on a CPU without fp16 support
-            section["enabled"] = False
-    hidden = _hidden_size(module)
-    zero = config.get("zero_optimization") or {}
-    for key, fn in _ZERO_AUTO.items():
-        if zero.get(key) == "auto":
-            if hidden is None:
-                del zero[key]  # DeepSpeed's default
-            else:
-                zero[key] = fn(hidden)
-    leftover = _find_auto(config)
-    if leftover:
-        raise ConfigError(
-            f"{where}: cannot resolve \"auto\" for {', '.join(leftover)}; resolvable: "
-            f"{', '.join(_LIGHTNING_FILLED + ('train_batch_size', 'fp16.enabled', 'bf16.enabled'))}, "
-            f"zero_optimization.{{{', '.join(_ZERO_AUTO)}}}; give a number instead"
-        )
-
-
-def _hidden_size(module: Any) -> int | None:
-    net = getattr(module, "net", None)
-    cfg = getattr(net, "config", None)
-    return getattr(cfg, "hidden_size", None)
-
-
-def _find_auto(node: Any, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        out = []
-        for k, v in node.items():
-            out += _find_auto(v, f"{prefix}{k}.")
-        return out
-    return [prefix.rstrip(".")] if node == "auto" else []

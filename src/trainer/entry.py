@@ -76,6 +76,10 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # every scalar any logger gets also lands in <run_dir>/history.jsonl (for the report)
     loggers.append(HistoryLogger(cfg.paths.output_dir))
     strategy = hydra.utils.instantiate(cfg.strategy)
+    if getattr(strategy, "wall_clock_breakdown", False):  # the ds_config turned DeepSpeed's timers on
+        from src.callbacks.ds_wall_clock import DeepSpeedWallClock
+
+        callbacks.append(DeepSpeedWallClock())
     trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers)
     return datamodule, module, trainer, final_ckpt
 

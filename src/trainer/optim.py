@@ -42,8 +42,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     total_steps = max(1, int(total_steps))
-    warmup = int(warmup_steps) if warmup_steps is not None else int(round(warmup_ratio * total_steps))
-    warmup = min(warmup, total_steps - 1) if total_steps > 1 else 0
+    warmup = warmup_length(total_steps, warmup_ratio, warmup_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -52,6 +51,13 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def warmup_length(total_steps: int, warmup_ratio: float, warmup_steps: int | None = None) -> int:
+    """Warmup length of ``warmup_cosine`` (also what a ds_config's "auto" warmup_num_steps gets)."""
+    total_steps = max(1, int(total_steps))
+    warmup = int(warmup_steps) if warmup_steps is not None else int(round(warmup_ratio * total_steps))
+    return min(warmup, total_steps - 1) if total_steps > 1 else 0
 
 
 def scaled_lr(lr: float, global_batch_size: int, base_batch_size: int | None) -> float:

@@ -26,7 +26,8 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
 
-from src.trainer.ds_config import load_ds_config, resolve_auto_values
+from src.trainer.ds_auto import resolve_auto_values
+from src.trainer.ds_config import load_ds_config
 from src.trainer.launcher import HydraLauncherMixin
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,27 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @property
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's wall-clock timers are on (wall_clock_breakdown, or the flops profiler)."""
+        config = self.config or {}
+        return bool(config.get("wall_clock_breakdown")) or bool((config.get("flops_profiler") or {}).get("enabled"))
+
     def _format_config(self) -> None:
-        resolve_auto_values(self.config, self.lightning_module, source=self._ds_config_source)
+        filled = resolve_auto_values(self.config, self.lightning_module, source=self._ds_config_source)
+        if filled and self.is_global_zero:
+            name = os.path.basename(self._ds_config_source or "deepspeed config")
+            log.info("ds_config %s: filled \"auto\" from the run: %s", name, ", ".join(filled))
+        enable_activation_checkpointing(self.config, self.lightning_module, self.is_global_zero)
         super()._format_config()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         import deepspeed
 
+        if optimizer is None and lr_scheduler is None and "scheduler" not in self.config:
+            # a JSON optimizer without a JSON scheduler: the project's schedule drives it (as HF
+            # Trainer does); DeepSpeed calls this with the optimizer it built
+            lr_scheduler = getattr(self.lightning_module, "lr_scheduler_for", None)
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
@@ -102,11 +117,14 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        guard_reentrant_forward(engine)
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model) -> None:
         if self._on_cuda:
-            return super()._initialize_deepspeed_inference(model)
+            super()._initialize_deepspeed_inference(model)
+            guard_reentrant_forward(self.model)
+            return None
         # Lightning's version with device_rank set (root_device.index is None on CPU).
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -128,4 +146,48 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             model_parameters=[],
             dist_init_required=False,
         )
+        guard_reentrant_forward(self.model)
         return None
+
+
+def guard_reentrant_forward(engine: Any) -> None:
+    """Make DeepSpeed's forward timers safe for Lightning's re-entrant forward.
+
+    Lightning runs ``training_step``/``validation_step`` *as* the engine's module forward, and a
+    step that calls ``self(x)`` enters the same module again, so DeepSpeed's forward pre-hook runs
+    twice and its timers (on with wall_clock_breakdown or the flops profiler) fail with "fwd_microstep
+    timer has already been started". Only the outermost forward now starts and stops them.
+    """
+    if not engine.wall_clock_breakdown():
+        return  # timers off: leave the engine exactly as DeepSpeed built it
+    prologue, epilogue = engine._forward_prologue, engine._forward_epilogue
+    depth = [0]
+
+    def outer_prologue(inputs: Any, kwargs: Any) -> Any:
+        depth[0] += 1
+        return prologue(inputs, kwargs) if depth[0] == 1 else None
+
+    def outer_epilogue() -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            epilogue()
+
+    engine._forward_prologue, engine._forward_epilogue = outer_prologue, outer_epilogue
+
+
+def enable_activation_checkpointing(config: dict, module: Any, is_global_zero: bool) -> None:
+    """A ds_config's "activation_checkpointing" section asks for activation checkpointing; under
+    Lightning DeepSpeed only configures its own checkpoint function, which HF models never call.
+    Turn on the model's gradient checkpointing instead (recompute in backward, same math)."""
+    if not isinstance((config or {}).get("activation_checkpointing"), dict) or module is None:
+        return
+    net = getattr(module, "net", module)
+    if hasattr(net, "gradient_checkpointing_enable") and getattr(net, "supports_gradient_checkpointing", False):
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if is_global_zero:
+            log.info("ds_config activation_checkpointing: gradient checkpointing on for %s (activations are "
+                     "recomputed in backward: less memory, about a third more compute)", type(net).__name__)
+    elif is_global_zero:
+        log.warning("ds_config activation_checkpointing is ignored: %s has no gradient checkpointing "
+                    "(gradient_checkpointing_enable); call deepspeed.checkpointing.checkpoint in its forward",
+                    type(net).__name__)

@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
+from src.trainer.ds_config import check_ds_json
 from src.trainer.global_batch import check_global_batch_size
 from src.trainer.targets import check_targets
 
@@ -89,6 +90,7 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_data(cfg.data)
     _check_model_fits_data(cfg.model, cfg.data)
     check_global_batch_size(cfg)
+    check_ds_json(cfg)
     check_targets(cfg)
 
 

@@ -1,0 +1,105 @@
+"""Fit each ds_config.json of tests/ds_configs/ that should train, in one process group.
+
+``python tests/ds_config_corpus.py --devices 2 --out facts.json hf_zero2.json ...``: for every
+file, a 2-step fit of a small DeepSeek built exactly as ``train.py`` builds it (``entry.build``),
+then the facts a test checks: what the run settled (batch, accumulation, precision), what
+DeepSpeed built (optimizer, scheduler, ZeRO stage, offload), what was filled and said (log
+records of the framework), the findings, and the losses. With 2 ranks Lightning's launcher
+re-runs this command for rank 1; both walk the same list, so their fits pair up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CONFIGS = REPO / "tests" / "ds_configs"
+
+OVERRIDES = [
+    "strategy=deepspeed_json", "model.net.hidden_size=64", "model.net.num_hidden_layers=2",
+    "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+    "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "~callbacks.rich_progress_bar", "~callbacks.model_checkpoint", "logger=csv", "export.fp32=false",
+    "export.hf=false", "data.max_tokens=60000", "preemption.enabled=false",
+]
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("src."):
+            self.lines.append((record.levelname, record.getMessage()))
+
+
+def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
+    import lightning as L
+
+    from benchmarks.harness import compose
+    from src.findings import configure_channel
+    from src.trainer.checkpoints import FinalCheckpoint
+    from src.trainer.entry import build, prepare_config
+
+    records = Records()
+    logging.getLogger().addHandler(records)
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        cfg = compose([*OVERRIDES, f"strategy.config={CONFIGS / name}", f"trainer.devices={devices}"], run_dir)
+        prepare_config(cfg)
+        configure_channel(run_dir)
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule, module, trainer, _ = build(cfg)
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)]
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        logging.getLogger().removeHandler(records)
+    engine = trainer.strategy.deepspeed_engine
+    basic = engine.basic_optimizer
+    schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
+    findings = [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()] \
+        if (run_dir / "findings.jsonl").exists() else []
+    loss = trainer.callback_metrics.get("train/loss")
+    return {
+        "global_step": trainer.global_step, "world_size": trainer.world_size,
+        "batch_size": int(cfg.data.batch_size), "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "precision": str(trainer.precision), "gradient_clip_val": trainer.gradient_clip_val,
+        "engine_gas": engine.gradient_accumulation_steps(), "engine_micro": engine.train_micro_batch_size_per_gpu(),
+        "zero_stage": engine.zero_optimization_stage(), "offload_optimizer": bool(engine.zero_cpu_offload()),
+        "optimizer": type(basic).__name__, "optimizer_defaults": {k: v for k, v in basic.defaults.items()
+                                                                 if k in ("lr", "betas", "eps", "weight_decay")},
+        "schedulers": schedulers, "lr_after": [g["lr"] for g in basic.param_groups][:1],
+        "gradient_checkpointing": bool(getattr(module.net, "is_gradient_checkpointing", False)),
+        "loss": float(loss) if loss is not None and math.isfinite(float(loss)) else None,
+        "findings": [(f["check"], f["code"], f["severity"]) for f in findings],
+        "finding_messages": {f["code"]: f["message"] for f in findings},
+        "logs": records.lines, "rank": trainer.global_rank,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("configs", nargs="+")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PROJECT_ROOT", str(REPO))
+    results = {}
+    for name in args.configs:
+        results[name] = fit(name, args.devices, args.out.parent / f"{args.out.stem}_runs" / Path(name).stem)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        args.out.write_text(json.dumps(results, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
