@@ -177,6 +177,7 @@ def _collect_metrics(trainer: L.Trainer, module: Any, started: float, resumed_fr
     }
     metrics.update({
         "val/loss_at_start": module.val_loss_at_start,
+        "moe": moe.summary() if hasattr(moe := getattr(module, "moe", None), "summary") else None,  # for the report
         "global_step": trainer.global_step,
         "world_size": trainer.world_size,
         "strategy": type(trainer.strategy).__name__,
