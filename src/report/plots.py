@@ -55,8 +55,8 @@ def loss(run: RunData) -> bytes | None:
         return None
     fig = _figure()
     ax = fig.add_subplot(111)
-    if train[0]:
-        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2)
+    if train[0]:  # a short run logs a few points: markers, or a single point draws nothing
+        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2, marker="o" if len(train[0]) < 12 else None, ms=3)
     if val[0]:
         ax.plot(*val, label="val/loss", color="tab:orange", marker="o", ms=3, lw=1.2)
     ax.set_xlabel("step")

@@ -42,10 +42,17 @@ def all_findings(run: RunData) -> list[dict[str, Any]]:
 
 
 def last_value(run: RunData, key: str) -> float | None:
+    """metrics.json's value, else the last one in history.jsonl. val/loss at step 0 is the sanity
+    check (val/loss_at_start), not a final val/loss: a run that validated only then has none."""
     if isinstance(run.metrics.get(key), (int, float)):
         return float(run.metrics[key])
-    _, values = run.series(key)
-    return values[-1] if values else None
+    if key == "val/loss_at_start":
+        first = run.history.get("val/loss", [])[:1]
+        return first[0][1] if first and first[0][0] == 0 else None
+    points = run.history.get(key, [])
+    if key == "val/loss" and points and points[0][0] == 0:
+        points = points[1:]  # the sanity check's row (the module logs it at step 0)
+    return points[-1][1] if points else None
 
 
 def moe_line(run: RunData) -> str | None:
