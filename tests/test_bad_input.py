@@ -40,6 +40,8 @@ CASES = {
     "seed_not_integer": (["seed=abc"], ["seed must be an integer, got 'abc'"]),
     "devices_zero": (["trainer.devices=0"], ["trainer.devices=0", "valid: 1.."]),
     "accelerator_tpu": (["trainer.accelerator=tpu"], ["trainer.accelerator='tpu'", "valid: cpu, gpu, cuda, auto"]),
+    "moe_aux_coef_not_a_number": (["model.moe_aux_loss_coef=high"],
+                                  ["model.moe_aux_loss_coef='high' is invalid; valid: auto, or a number >= 0"]),
     "unknown_logger": (["logger=nope"], ["logger/nope", "csv, many, tensorboard, wandb"]),
     "required_value_unset": (["data=text_files"], ["data.source.paths is required", "data.source.paths='corpus/*.txt'"]),
     "target_not_importable": (["model.net._target_=src.models.deepseek.build_deepseek_v4"],
@@ -171,7 +173,7 @@ def test_target_in_a_missing_module_lists_what_exists():
     assert target_problem("src.models.deepseek.build_deepseek_v3") is None
     assert target_problem("torch.optim.AdamW") is None
     assert target_problem("lightning.pytorch.loggers.CSVLogger") is None
-    assert target_problem("src.models.nope.build") == "src.models has no 'nope'; valid: deepseek, lm_module, moe_aux"
+    assert target_problem("src.models.nope.build") == "src.models has no 'nope'; valid: deepseek, lm_module, moe_aux, moe_balance"
     assert target_problem("nosuchpkg.x").startswith("no module named 'nosuchpkg'")
 
 

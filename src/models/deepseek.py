@@ -148,7 +148,7 @@ def experts_implementation(net: nn.Module) -> str | None:
 
 
 def load_pretrained(name_or_path: str, **kwargs: Any) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`` with one-line errors.
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`` in train mode, with one-line errors.
 
     A local path that does not exist, a directory that is not a saved model, or a hub id that
     cannot be fetched (offline / ``HF_HUB_OFFLINE=1`` and not cached) raise ``ConfigError``
@@ -170,13 +170,16 @@ def load_pretrained(name_or_path: str, **kwargs: Any) -> PreTrainedModel:
             "save_pretrained directory (export one with save_pretrained_dir)"
         )
     try:
-        return AutoModelForCausalLM.from_pretrained(path if os.path.exists(path) else name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path if os.path.exists(path) else name_or_path, **kwargs)
     except (OSError, ValueError) as err:  # hub errors subclass OSError; bad config.json -> ValueError
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"model.net.name_or_path: cannot load '{name_or_path}' ({first_line}); give a "
             "save_pretrained directory, or a hub id that is cached or reachable"
         ) from err
+    # from_pretrained returns eval mode and Lightning 2.6 keeps module modes as they are: without
+    # this the model would train with dropout and router jitter off
+    return model.train()
 
 
 def save_pretrained_dir(

@@ -11,16 +11,23 @@ fp32: that one step() is a no-op). DeepSpeed ZeRO-1/2/3 and BF16_Optimizer: the 
 down DeepSpeed's own overflow path (what an fp16 overflow does). Any other DeepSpeed optimizer
 (stage 0 fp16/bf16): finding ``skip_unsupported``, the update is applied, the run stops (exit 3).
 
+MoE load balancing (``src/models/moe_balance.py``): ``moe_aux_loss_coef`` is ``auto`` (default:
+the model's own ``router_aux_loss_coef`` for HF MoE models that compute their own loss -- Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE --, else 0.01 for the project's loss, used for DeepSeek V2/V3), a
+number >= 0 (replaces the coefficient; 0 = no balancing). Exactly one aux term is back-propagated.
+``moe_metrics`` (default true) logs the ``moe/*`` keys whenever the net has routers, also at
+coefficient 0; coefficient 0 with ``moe_metrics=false`` adds no hooks at all.
+
 Logged metrics:
 
 | key | meaning |
 |---|---|
 | ``train/loss`` | next-token cross-entropy (without the MoE aux term) |
-| ``train/aux_loss`` | MoE load-balancing loss (1.0 = perfectly balanced), if the net has routers |
+| ``train/aux_loss`` | MoE load-balancing loss, if the net is MoE: the model's own (HF ``load_balancing_loss_func``: ``top_k`` = balanced) or the project's (1.0 = balanced) |
 | ``train/loss_total`` | what is back-propagated: loss + coef * aux_loss |
-| ``moe/load_imbalance`` | busiest expert's share x num_experts (1 = balanced, E/k = collapsed) |
-| ``moe/load/L<i>/E<e>`` | share of routed tokens of expert e in MoE layer i (logged at log_every_n_steps) |
-| ``val/loss`` | validation cross-entropy, mean over ranks; also recorded at step 0 (sanity check) |
+| ``moe/load_imbalance`` | busiest expert's share x num_experts, max over MoE layers (1 = balanced, E/k = collapsed) |
+| ``moe/load/L<i>/E<e>`` | share of routed tokens of expert e in decoder layer i (logged at log_every_n_steps) |
+| ``val/loss`` | validation cross-entropy, mean over ranks; also recorded at step 0 (sanity check) and after the last step |
 | ``val/ppl`` | exp(val/loss) |
 """
 
@@ -34,7 +41,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from src.models.moe_aux import RouterCapture, expert_load_fractions, find_routers, load_balancing_loss
+from src.models.moe_balance import MoEBalance, MoEStep
 from src.trainer.optim import param_groups
 
 log = logging.getLogger(__name__)
@@ -49,15 +56,16 @@ class CausalLMModule(L.LightningModule):
         net: torch.nn.Module,
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
-        moe_aux_loss_coef: float = 0.01,
+        moe_aux_loss_coef: float | str = "auto",
+        moe_metrics: bool = True,
     ) -> None:
         super().__init__()
         self.net = net
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.moe_aux_loss_coef = float(moe_aux_loss_coef)
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
-        self.router_capture = _make_router_capture(net, self.moe_aux_loss_coef)
+        self.moe = MoEBalance(net, moe_aux_loss_coef, moe_metrics)
+        self.moe_aux_loss_coef = self.moe.coef  # resolved: "auto" -> the model's own or 0.01
         self.val_loss_at_start: float | None = None
         self._val_losses: list[torch.Tensor] = []
         self.skip_optimizer_step = False  # set by a check with on_error=skip (src/callbacks/base.py)
@@ -68,36 +76,33 @@ class CausalLMModule(L.LightningModule):
         out = self.net(input_ids=input_ids)
         return out.logits if hasattr(out, "logits") else out
 
-    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _losses(self, batch: dict[str, torch.Tensor], training: bool = False) -> tuple[torch.Tensor, MoEStep | None]:
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
-        logits, aux = self(input_ids), None
-        if self.router_capture is not None:
-            records = self.router_capture.collect()
-            if records:
-                experts, top_k = self.router_capture.num_experts, self.router_capture.top_k
-                aux = load_balancing_loss(records, experts, top_k)
-                # max expert share x E: 1.0 = perfectly balanced, E/k = collapsed
-                self._expert_load = expert_load_fractions(records, experts)  # [layers, experts]
-                self._load_imbalance = self._expert_load.max() * experts
+        # no labels to the net: HF MoE models would add their own coef * aux to out.loss
+        out = self.net(input_ids=input_ids, **self.moe.forward_kwargs(training))
+        logits = out.logits if hasattr(out, "logits") else out
+        moe = self.moe.measure(out, training)
         # next-token prediction: position t predicts token t+1; fp32 softmax for stability
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)).float(),
             labels[:, 1:].reshape(-1),
             ignore_index=-100,
         )
-        return loss, aux
+        return loss, moe
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, aux = self._losses(batch)
-        total = loss if aux is None else loss + self.moe_aux_loss_coef * aux
+        loss, moe = self._losses(batch, training=True)
+        aux = moe.aux if moe is not None else None
+        total = loss if aux is None or self.moe.coef <= 0 else loss + self.moe.coef * aux.to(loss.device)
         self.log("train/loss", loss.detach(), on_step=True, prog_bar=True)
         if aux is not None:
             self.log("train/aux_loss", aux.detach(), on_step=True)
             self.log("train/loss_total", total.detach(), on_step=True)
-            self.log("moe/load_imbalance", self._load_imbalance, on_step=True)
-            if self._logs_this_step():  # per layer and expert, for the report's heatmap
-                self.log_dict({f"moe/load/L{i}/E{e}": share for i, row in enumerate(self._expert_load.tolist())
+        if moe is not None and moe.load is not None:
+            self.log("moe/load_imbalance", moe.imbalance, on_step=True)
+            if self._logs_this_step():  # per decoder layer and expert, for the report's heatmap
+                self.log_dict({f"moe/load/L{layer}/E{e}": share for layer, row in zip(moe.layers, moe.load.tolist())
                                for e, share in enumerate(row)}, on_step=True)
         return total
 
@@ -106,7 +111,7 @@ class CausalLMModule(L.LightningModule):
         return trainer is not None and bool(getattr(trainer._logger_connector, "should_update_logs", False))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, _ = self._losses(batch)
+        loss, _ = self._losses(batch, training=False)
         self._val_losses.append(loss.detach())
 
     def on_validation_epoch_end(self) -> None:
@@ -262,11 +267,3 @@ def _skip_unsupported(trainer: Any, opt: Any) -> None:
         channel.stop_request = finding
     trainer.should_stop = True
 
-
-def _make_router_capture(net: torch.nn.Module, coef: float) -> RouterCapture | None:
-    if coef <= 0:
-        return None  # off means zero cost: no hooks
-    if not find_routers(net):
-        log.info("moe_aux_loss_coef=%s ignored: %s has no MoE routers", coef, type(net).__name__)
-        return None
-    return RouterCapture(net).attach()

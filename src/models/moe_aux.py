@@ -1,12 +1,15 @@
-"""MoE load-balancing auxiliary loss for HF DeepSeek V2/V3, which compute none themselves.
+"""MoE load-balancing auxiliary loss for HF DeepSeek V2/V3, which compute none themselves, and
+the router capture that also gives every MoE family's expert load (``moe_balance.py`` decides
+which loss a net trains with).
 
 HF's ``DeepseekV{2,3}ForCausalLM`` return ``aux_loss=None``; ``output_router_logits=True``
 only returns the raw router logits, not the experts actually chosen (V3 picks them with the
 ``e_score_correction_bias`` and group-limited top-k, so re-deriving them from logits would
 duplicate HF's routing code). :class:`RouterCapture` instead hooks the router modules
-(``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``, found generically: any module with
-``top_k``, ``num_experts`` and a ``[num_experts, hidden]`` ``weight``) and records, per MoE
-layer, the raw logits and the selected top-k indices of the current forward.
+(``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``, Mixtral/Qwen/OLMoE ``*TopKRouter``;
+found generically: any module with ``top_k``, ``num_experts`` and a ``[num_experts, hidden]``
+``weight``) and records, per MoE layer, the raw logits and the selected top-k indices of the
+current forward.
 
 Usage in a LightningModule (runs on every rank, no collectives)::
 

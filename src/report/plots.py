@@ -1,5 +1,5 @@
 """The report's figures: each reads a ``RunData`` and returns PNG bytes, or None when the run did
-not record what the figure needs (the report then names the preset that records it).
+not record what the figure needs (the report then says what records it, or why this run did not).
 
 Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas directly: no pyplot, no
 global backend switch, no display needed, safe to call inside a training process.
@@ -10,7 +10,7 @@ global backend switch, no display needed, safe to call inside a training process
 | ``grad_norms`` | ``grad/norm/<layer>`` (heatmap layer x step) | ``debug=grads`` |
 | ``rank_step_time`` | ``ranks/step_time_{min,mean,max}`` (band) | ``debug=logs`` |
 | ``rank_memory`` | ``ranks/mem_mb_{min,mean,max}`` (band) | ``debug=logs`` |
-| ``moe_load`` | ``moe/load_imbalance``; heatmap of ``moe/load/<layer>/<expert>``-style keys if present | MoE models |
+| ``moe_load`` | ``moe/load_imbalance``; heatmap of ``moe/load/L<layer>/E<expert>`` keys if present | MoE models (``model.moe_metrics``) |
 | ``comm_compute`` | stacked: ``ranks/{comm,compute}_time_mean``, else ``comm/share``, else ``time/<phase>_ms`` |
 |   | (first found) | ``debug=logs`` / ``comm`` / ``profile`` |
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable
 
 from src.report.load import RunData
@@ -54,8 +55,8 @@ def loss(run: RunData) -> bytes | None:
         return None
     fig = _figure()
     ax = fig.add_subplot(111)
-    if train[0]:
-        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2)
+    if train[0]:  # a short run logs a few points: markers, or a single point draws nothing
+        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2, marker="o" if len(train[0]) < 12 else None, ms=3)
     if val[0]:
         ax.plot(*val, label="val/loss", color="tab:orange", marker="o", ms=3, lw=1.2)
     ax.set_xlabel("step")
@@ -141,8 +142,14 @@ def rank_memory(run: RunData) -> bytes | None:
     return _band(run, "mem_mb", "memory per rank", "MB")
 
 
+def _natural(key: str) -> list:
+    """'moe/load/L10/E2' sorts after 'moe/load/L9/E10': numbers compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
 def moe_load(run: RunData) -> bytes | None:
-    per_expert = [k for k in run.keys("moe/") if k != "moe/load_imbalance" and "load" in k and run.history[k]]
+    per_expert = sorted((k for k in run.keys("moe/") if k != "moe/load_imbalance" and "load" in k and run.history[k]),
+                        key=_natural)
     if len(per_expert) > 1:
         return _heatmap(run, per_expert, "MoE expert load", "share of tokens", log_scale=False)
     steps, values = _finite(*run.series("moe/load_imbalance"))
@@ -199,14 +206,32 @@ def comm_compute(run: RunData) -> bytes | None:
     return None
 
 
-# name -> (title, figure, how to record it when missing)
-FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str]] = {
+def moe_missing(run: RunData) -> str:
+    """Why a run has no MoE figure, from what metrics.json says about its model (``moe``)."""
+    moe = run.metrics.get("moe")
+    if not isinstance(moe, dict):
+        return ("moe/* is logged when the model has MoE routers (model.moe_metrics=true, the default); "
+                "this run logged none and left no metrics.json saying whether its model has routers")
+    layers = moe.get("layers") or []
+    if not layers and moe.get("aux_source") is None:
+        return "the model is dense: no MoE routers found (modules with top_k, num_experts and an [experts, hidden] weight)"
+    if not layers:
+        return ("the model computes its own aux loss (train/aux_loss), but no router module was recognised "
+                "(top_k, num_experts, [experts, hidden] weight), so there is no per-expert load")
+    if not moe.get("metrics"):
+        return f"the model has {len(layers)} MoE layer(s) but its metrics were off (model.moe_metrics=false)"
+    return (f"the model has {len(layers)} MoE layer(s) and logged them, but no training step reached "
+            "the loggers (the run ended before its first logged step)")
+
+
+# name -> (title, figure, how to record it when missing: text, or a function of the run saying why)
+FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[[RunData], str]]] = {
     "loss": ("Loss and learning rate", loss,
              "no train/loss in history.jsonl (the run stopped before its first logged step, or predates it)"),
     "grad_norms": ("Gradient norm per layer", grad_norms, "enable debug=grads (grad_monitor)"),
     "rank_step_time": ("Step time per rank", rank_step_time, "enable debug=logs (log_sync)"),
     "rank_memory": ("Memory per rank", rank_memory, "enable debug=logs (log_sync)"),
-    "moe_load": ("MoE expert load", moe_load, "moe/load_imbalance is logged by MoE models only"),
+    "moe_load": ("MoE expert load", moe_load, moe_missing),
     "comm_compute": ("Communication vs compute", comm_compute,
                      "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler)"),
 }

@@ -42,10 +42,31 @@ def all_findings(run: RunData) -> list[dict[str, Any]]:
 
 
 def last_value(run: RunData, key: str) -> float | None:
+    """metrics.json's value, else the last one in history.jsonl. val/loss at step 0 is the sanity
+    check (val/loss_at_start), not a final val/loss: a run that validated only then has none."""
     if isinstance(run.metrics.get(key), (int, float)):
         return float(run.metrics[key])
-    _, values = run.series(key)
-    return values[-1] if values else None
+    if key == "val/loss_at_start":
+        first = run.history.get("val/loss", [])[:1]
+        return first[0][1] if first and first[0][0] == 0 else None
+    points = run.history.get(key, [])
+    if key == "val/loss" and points and points[0][0] == 0:
+        points = points[1:]  # the sanity check's row (the module logs it at step 0)
+    return points[-1][1] if points else None
+
+
+def moe_line(run: RunData) -> str | None:
+    """'2 MoE layers (L1, L3) x 8 experts, top-2; aux loss: the model's own x 0.001', from metrics.json."""
+    moe = run.metrics.get("moe")
+    if not isinstance(moe, dict) or (not moe.get("layers") and moe.get("aux_source") is None):
+        return None
+    layers = moe.get("layers") or []
+    text = (f"{len(layers)} MoE layer(s) ({', '.join(f'L{i}' for i in layers)}) x {moe.get('experts')} experts, "
+            f"top-{moe.get('top_k')}" if layers else "routers not recognised")
+    source = {"model": "the model's own", "project": "the project's"}.get(moe.get("aux_source"), "none")
+    coef = moe.get("aux_coef")
+    return f"{text}; aux loss: {source}" + (f" x {coef:g}" if isinstance(coef, (int, float)) else "") + \
+        ("" if moe.get("metrics") else "; moe/* metrics off")
 
 
 def _summary(doc: Document, run: RunData) -> None:
@@ -70,6 +91,8 @@ def _summary(doc: Document, run: RunData) -> None:
         value = last_value(run, key)
         if value is not None:
             pairs.append((key, f"{value:.4f}"))
+    if moe_line(run):
+        pairs.append(("MoE", moe_line(run)))
     if run.crash is not None:
         pairs.append(("exit code", f"!{run.crash.get('exit_code')}"))
         pairs.append(("error", f"!{run.crash.get('error') or run.crash.get('exception') or 'unknown'}"))
@@ -108,7 +131,7 @@ def _figures(doc: Document, run: RunData) -> None:
             doc.note(f"could not draw: {type(exc).__name__}: {exc}")
             continue
         if png is None:
-            doc.note(f"not recorded: {hint}")
+            doc.note(f"not recorded: {hint(run) if callable(hint) else hint}")
         else:
             doc.image(name, title, png)
 

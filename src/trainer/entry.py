@@ -27,6 +27,7 @@ from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_
 from src.report.finish import finish_run
 from src.report.history import HistoryLogger
 from src.trainer.ds_config import apply_ds_json_to_cfg
+from src.trainer.final_step import FinalStep
 from src.trainer.global_batch import apply_global_batch_size, world_size
 from src.trainer.liveness import LivenessCallback, watch_parent
 from src.trainer.liveness import state as liveness_state
@@ -68,7 +69,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     preemption = PreemptionCheckpoint(ckpt_dir, signals=list(pre.get("signals", ["SIGTERM", "SIGUSR1"])),
                                       enabled=bool(pre.get("enabled", True)))
     final_ckpt = FinalCheckpoint(ckpt_dir, preemption=preemption)
-    callbacks = [*callbacks, LivenessCallback(), preemption, final_ckpt]
+    # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
+    callbacks = [FinalStep(), *callbacks, LivenessCallback(), preemption, final_ckpt]
     from src.callbacks.log_sync import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
@@ -181,6 +183,7 @@ def _collect_metrics(trainer: L.Trainer, module: Any, started: float, resumed_fr
     }
     metrics.update({
         "val/loss_at_start": module.val_loss_at_start,
+        "moe": moe.summary() if hasattr(moe := getattr(module, "moe", None), "summary") else None,  # for the report
         "global_step": trainer.global_step,
         "world_size": trainer.world_size,
         "strategy": type(trainer.strategy).__name__,

@@ -8,6 +8,7 @@ in ~1 s. The table of bad inputs and their errors: docs/bad_inputs.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 from numbers import Number
 from pathlib import Path
@@ -88,6 +89,7 @@ def validate_config(cfg: DictConfig) -> None:
         if not path.exists():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such file or directory")
     _validate_data(cfg.data)
+    _check_moe_aux_coef(cfg.model)
     _check_model_fits_data(cfg.model, cfg.data)
     check_global_batch_size(cfg)
     check_ds_json(cfg)
@@ -162,6 +164,15 @@ def _validate_data(data: DictConfig) -> None:
 
 
 # -- the model must fit the data: positions and vocabulary ---------------------------------
+
+
+def _check_moe_aux_coef(model: DictConfig) -> None:
+    """The form src/models/moe_balance.resolve_coef accepts (which checks again for direct use)."""
+    value = model.get("moe_aux_loss_coef", "auto")
+    auto = isinstance(value, str) and value.strip().lower() == "auto"
+    number = isinstance(value, Number) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not (auto or number):
+        raise ConfigError(f"model.moe_aux_loss_coef={value!r} is invalid; valid: auto, or a number >= 0 (0 = off)")
 
 
 def _check_model_fits_data(model: DictConfig, data: DictConfig) -> None:
