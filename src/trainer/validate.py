@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError
 from src.trainer.ds_config import check_ds_json
 from src.trainer.global_batch import check_global_batch_size
+from src.trainer.launch_env import check_launcher_matches
 from src.trainer.targets import check_targets
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -73,6 +74,7 @@ def validate_config(cfg: DictConfig) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
     _validate_devices(t)
+    check_launcher_matches(cfg)
     accelerator = str(t.accelerator)
     if precision.startswith("16") and not fp16_supported(accelerator):
         raise ConfigError(
