@@ -92,7 +92,8 @@ def test_corpus_too_small_for_one_batch(tmp_path, shared_cache):
     ('{"zero_optimization": {"stage": 7}}', ["zero_optimization.stage=7", "0, 1, 2, 3"]),
     ('{"zero_optimization": {"stage": 2, "overlap_comm": "often"}}', ["zero_optimization.overlap_comm"]),
     ('[1, 2]', ["top level must be a JSON object"]),
-    ('{"train_batch_size": 1000, "zero_optimization": {"stage": 2}}', ["train_batch_size=1000"]),
+    ('{"train_batch_size": 5, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}',
+     ["train_batch_size=5 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 2 x world size 1"]),
 ], ids=["trailing_comma", "stage_7", "overlap_comm_not_bool", "top_level_list", "train_batch_size_mismatch"])
 def test_bad_ds_config_json(content, must_contain, tmp_path, shared_cache):
     path = tmp_path / "ds_config.json"

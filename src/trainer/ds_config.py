@@ -191,6 +191,7 @@ def settle_batch(ds: dict, batch_size: int, accum: int, world: int, source: str)
     if total is None:
         return micro or batch_size, gas or accum, origin
     rule = f"train_batch_size={total} by DeepSpeed's rule"
+    given_micro, given_gas = micro, gas
     if micro is None and gas is None:
         gas, origin["accum"] = 1, rule
     if micro is None:
@@ -198,11 +199,17 @@ def settle_batch(ds: dict, batch_size: int, accum: int, world: int, source: str)
     elif gas is None:
         gas, origin["accum"] = total // (world * micro), rule
     if micro < 1 or gas < 1 or micro * gas * world != total:
+        if given_micro is not None and given_gas is not None:
+            valid = f"train_batch_size={micro * gas * world}"
+        else:
+            unit = world * (given_micro or given_gas or 1)
+            what = " x ".join(["world size"] + (["train_micro_batch_size_per_gpu"] if given_micro else []) +
+                              (["gradient_accumulation_steps"] if given_gas else []))
+            valid = f"a train_batch_size that is a multiple of {unit} ({what})"
         raise ConfigError(
             f"{source}: train_batch_size={total} != train_micro_batch_size_per_gpu {micro} x "
-            f"gradient_accumulation_steps {gas} x world size {world} = {micro * gas * world}; valid: a "
-            f"train_batch_size that is a multiple of {world * (gas if fixed('gradient_accumulation_steps') else 1)}"
-            f" (world size{' x accumulation' if fixed('gradient_accumulation_steps') else ''}), or \"auto\"")
+            f"gradient_accumulation_steps {gas} x world size {world} = {micro * gas * world}; valid: {valid}, "
+            "or \"auto\"")
     return micro, gas, origin
 
 
