@@ -330,8 +330,6 @@ def test_bad_inputs_raise_one_line_config_errors(tmp_path, text_dir, monkeypatch
             f"(cwd: {tmp_path})")
     (tmp_path / "a.txt").write_text("")
     _raises(lambda: TextFilesCorpus("a.txt"), f"data file {tmp_path / 'a.txt'} is empty")
-    (tmp_path / "b.csv").write_text("x,y\n")
-    _raises(lambda: TextFilesCorpus("b.csv"), "b.csv", ".jsonl")
     _raises(lambda: list(TextFilesCorpus(str(text_dir / "*.jsonl")).documents()),
             "more.jsonl line 1", "data.source.text_field='text'")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
