@@ -64,6 +64,8 @@ def test_secrets_are_redacted_from_dumps():
     out = redact(cfg)
     assert out["logger"]["wandb"] == {"api_key": "***", "project": "p"} and out["hf_token"] == "***"
     assert out["db"]["password"] is None and out["tags"] == ["a"]
+    kept = {"model": {"tokenizer": "/models/gpt2"}, "data": {"max_tokens": 60000, "tokenizer": "org/name"}}
+    assert redact(kept) == kept  # a tokenizer's path and token counts are not secrets
 
 
 def test_config_error_is_found_behind_hydra_instantiate():

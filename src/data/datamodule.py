@@ -1,4 +1,8 @@
-"""`LMDataModule`: a text source -> cached BPE token ids -> fixed-length packed blocks.
+"""`LMDataModule`: a text source -> cached token ids -> fixed-length packed blocks.
+
+Token ids come from a byte-level BPE trained on the corpus (`vocab_size` tokens), or, when
+`tokenizer` names one (a pretrained model's tokenizer directory or hub id), from that tokenizer;
+`vocab_size` then follows it (`pretrained_tokenizer.py`).
 
 Packing: every document's ids followed by EOS, concatenated, cut into `seq_len` blocks
 (no padding; a block may span documents). The split is contiguous by token position: the
@@ -17,6 +21,7 @@ Example (conf/data/kjv.yaml)::
     source: {_target_: src.data.corpus.KJVCorpus}
     vocab_size: 4096
     seq_len: 128
+    tokenizer: ${oc.select:model.tokenizer,null}   # model=hf_pretrained: the model's own
 """
 
 from __future__ import annotations
@@ -101,12 +106,13 @@ def _as_source(source) -> Corpus:
 
 
 class LMDataModule(L.LightningDataModule):
-    """Language-model data: source -> byte-level BPE (cached) -> packed blocks.
+    """Language-model data: source -> tokenizer (cached ids) -> packed blocks.
 
     Args:
         source: a corpus from `src.data.corpus` (Hydra builds it from `data.source`).
         vocab_size: BPE vocabulary size (tokenizer size must equal it), or the id range of
             a synthetic source. Available before `setup`, so the model can be built first.
+            With `tokenizer` set it is replaced by the tokenizer's id range (max id + 1).
         seq_len: tokens per block. batch_size: blocks per batch (per rank).
         num_workers, pin_memory: DataLoader settings; workers are persistent when > 0.
         val_fraction: share of blocks, taken from the end of the corpus, used for val.
@@ -116,8 +122,11 @@ class LMDataModule(L.LightningDataModule):
         global_batch_size: blocks per optimizer step over all ranks, or None. The trainer
             derives `batch_size` from it before this is built (src/trainer/global_batch.py);
             `setup` checks that the two agree with the trainer's world size and accumulation.
+        tokenizer: a pretrained tokenizer (directory or hub id) to encode the corpus with
+            instead of training a BPE; ignored for a synthetic source. Loaded at construction.
 
-    After `setup`: `tokenizer` (PreTrainedTokenizerFast; None for synthetic),
+    After `setup` (at construction with `tokenizer`): `tokenizer` (a transformers tokenizer;
+    None for synthetic), `pretrained` (`PretrainedTokenizer` or None),
     `tokenizer_dir`, `train_dataset`, `val_dataset` (`PackedBlocks`), `num_train_tokens`,
     `num_val_tokens`, `num_tokens`, `eos_token_id`, `pad_token_id`.
     """
@@ -135,14 +144,24 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: str | os.PathLike = ".cache/data",
         max_tokens: int | None = None,
         global_batch_size: int | None = None,
+        tokenizer: str | os.PathLike | None = None,
     ):
         super().__init__()
         self.source = _as_source(source)
         self.is_synthetic = isinstance(self.source, SyntheticCorpus)
-        min_vocab = 2 if self.is_synthetic else MIN_VOCAB_SIZE
+        self.pretrained = None
+        if tokenizer is not None and not self.is_synthetic:
+            from src.data.pretrained_tokenizer import PretrainedTokenizer
+
+            self.pretrained = PretrainedTokenizer(str(tokenizer))
+            if vocab_size != self.pretrained.vocab_size:
+                rank_zero_info(f"data.vocab_size={vocab_size} -> {self.pretrained.vocab_size}: "
+                               f"it follows {self.pretrained!r}")
+            vocab_size = self.pretrained.vocab_size
+        min_vocab = 2 if self.is_synthetic or self.pretrained else MIN_VOCAB_SIZE
         self.vocab_size = _check_int(
             "vocab_size", vocab_size, min_vocab,
-            f"an int >= {min_vocab}" + ("" if self.is_synthetic else " (256 bytes + 2 special tokens)"),
+            f"an int >= {min_vocab}" + ("" if min_vocab == 2 else " (256 bytes + 2 special tokens)"),
         )
         self.seq_len = _check_int("seq_len", seq_len, 1, "a positive int")
         self.batch_size = _check_int("batch_size", batch_size, 1, "a positive int")
@@ -169,10 +188,10 @@ class LMDataModule(L.LightningDataModule):
             global_batch_size = _check_int("global_batch_size", global_batch_size, 1, "a positive int or null")
         self.global_batch_size = global_batch_size
 
-        self.tokenizer = None
+        self.tokenizer = None if self.pretrained is None else self.pretrained.tokenizer
         self.tokenizer_dir: str | None = None
-        self.eos_token_id: int | None = None
-        self.pad_token_id: int | None = None
+        self.eos_token_id: int | None = None if self.pretrained is None else self.pretrained.eos_token_id
+        self.pad_token_id: int | None = None if self.pretrained is None else self.pretrained.pad_token_id
         self.train_dataset: PackedBlocks | None = None
         self._position = ResumePosition()
         self.val_dataset: PackedBlocks | None = None
@@ -183,9 +202,10 @@ class LMDataModule(L.LightningDataModule):
     # -- Lightning hooks ------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Local rank 0 only: train the tokenizer and encode the corpus into the cache."""
+        """Local rank 0 only: train the tokenizer (or take the pretrained one) and encode the corpus
+        into the cache."""
         if not self.is_synthetic:
-            ensure_cache(self.source, self.vocab_size, self.cache_dir)
+            ensure_cache(self.source, self.vocab_size, self.cache_dir, self.pretrained)
 
     def setup(self, stage: str | None = None) -> None:
         """Every rank: load (or build) the cache and cut the packed train/val blocks."""
@@ -193,6 +213,10 @@ class LMDataModule(L.LightningDataModule):
             return
         if self.is_synthetic:
             tokens = self.source.token_ids(self.vocab_size)
+        elif self.pretrained is not None:
+            cache = ensure_cache(self.source, self.vocab_size, self.cache_dir, self.pretrained)
+            self.tokenizer_dir = str(cache.tokenizer_dir)
+            tokens = cache.load_tokens()
         else:
             cache = ensure_cache(self.source, self.vocab_size, self.cache_dir)
             tokenizer = cache.load_tokenizer()

@@ -1,10 +1,12 @@
 """Byte-level BPE trained on first use, plus the corpus' token ids, cached on disk.
 
-Cache layout, one entry per (source fingerprint, vocab_size)::
+Cache layout, one entry per (source fingerprint, vocab_size) for the BPE, and per (source
+fingerprint, tokenizer fingerprint) for a pretrained tokenizer (`pretrained_tokenizer.py`)::
 
-    <cache_dir>/<key>/tokenizer/   PreTrainedTokenizerFast.save_pretrained output
+    <cache_dir>/<key>/tokenizer/   PreTrainedTokenizerFast.save_pretrained output (the BPE), or a
+                                   byte-for-byte copy of the pretrained tokenizer's files
     <cache_dir>/<key>/tokens.npy   all documents' ids, each followed by EOS (uint16 / int32)
-    <cache_dir>/<key>/meta.json    counts, dtype, build timings
+    <cache_dir>/<key>/meta.json    counts, dtype, build timings (and which pretrained tokenizer)
 
 Atomicity: an entry is built in `<cache_dir>/.tmp-<key>-*` and moved into place with one
 `os.replace` of the directory, so `<key>/` either does not exist or is complete. Two
@@ -45,12 +47,16 @@ PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]  # ids 0 and 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 CACHE_FORMAT = 1  # bump when the layout or the tokenizer recipe changes
-_ENCODE_BATCH = 1000
+ENCODE_BATCH = 1000
 
 
-def cache_key(fingerprint: str, vocab_size: int) -> str:
-    blob = json.dumps({"fingerprint": fingerprint, "vocab_size": vocab_size, "format": CACHE_FORMAT})
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+def cache_key(fingerprint: str, vocab_size: int, tokenizer_fingerprint: str | None = None) -> str:
+    """The entry's name. A pretrained tokenizer's fingerprint (its files' hashes) makes a key of
+    its own; without one (the BPE trained here) the key is what it always was."""
+    content = {"fingerprint": fingerprint, "vocab_size": vocab_size, "format": CACHE_FORMAT}
+    if tokenizer_fingerprint is not None:
+        content["tokenizer"] = tokenizer_fingerprint
+    return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:20]
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -91,7 +97,7 @@ def encode_documents(
     eos = tok.token_to_id(EOS_TOKEN)
     chunks: list[np.ndarray] = []
     n_docs = n_chars = 0
-    for batch in _batched(documents, _ENCODE_BATCH):
+    for batch in batched(documents, ENCODE_BATCH):
         ids: list[int] = []
         for enc in tok.encode_batch(batch, add_special_tokens=False):
             ids.extend(enc.ids)
@@ -103,7 +109,7 @@ def encode_documents(
     return ids_all, n_docs, n_chars
 
 
-def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+def batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for item in items:
         batch.append(item)
@@ -131,18 +137,23 @@ class TokenCache:
         return np.load(self.tokens_path, mmap_mode="r")
 
 
-def find_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> TokenCache | None:
-    entry = Path(cache_dir) / cache_key(source.fingerprint(), vocab_size)
+def _key(source, vocab_size: int, pretrained) -> str:
+    return cache_key(source.fingerprint(), vocab_size, pretrained.fingerprint if pretrained is not None else None)
+
+
+def find_cache(source, vocab_size: int, cache_dir: str | os.PathLike, pretrained=None) -> TokenCache | None:
+    entry = Path(cache_dir) / _key(source, vocab_size, pretrained)
     return TokenCache(entry) if (entry / "meta.json").is_file() else None
 
 
-def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> TokenCache:
-    """Return the cache entry for (source, vocab_size), building it if missing."""
+def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike, pretrained=None) -> TokenCache:
+    """Return the cache entry for (source, vocab_size) -- or (source, pretrained tokenizer) when
+    `pretrained` (a `PretrainedTokenizer`) is given -- building it if missing."""
     fingerprint = source.fingerprint()
     root = Path(cache_dir)
-    entry = root / cache_key(fingerprint, vocab_size)
+    entry = root / _key(source, vocab_size, pretrained)
     if (entry / "meta.json").is_file():
-        problem = entry_problem(entry, vocab_size)
+        problem = entry_problem(entry, vocab_size, pretrained=pretrained is not None)
         if problem is None:
             return TokenCache(entry)
         log.warning("data cache entry %s is corrupt (%s); rebuilding it", entry, problem)
@@ -153,7 +164,7 @@ def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> Token
     except OSError as e:
         raise ConfigError(f"data.cache_dir={str(root)!r} is not writable: {e.strerror}") from None
     try:
-        _build(source, fingerprint, vocab_size, tmp)
+        _build(source, fingerprint, vocab_size, tmp, pretrained)
         tmp.chmod(0o755)  # mkdtemp makes 0700; a shared cache should stay readable
         try:
             os.replace(tmp, entry)
@@ -169,21 +180,27 @@ def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike) -> Token
     return TokenCache(entry)
 
 
-def entry_problem(entry: Path, vocab_size: int) -> str | None:
+def entry_problem(entry: Path, vocab_size: int, pretrained: bool = False) -> str | None:
     """What is wrong with a complete-looking cache entry, naming the file; None if it loads.
-    Cheap (~10 ms): parses meta.json and tokenizer.json, reads the header of tokens.npy."""
+    Cheap (~10 ms): parses meta.json and tokenizer.json, reads the header of tokens.npy. A
+    pretrained tokenizer is loaded from its own directory, not from the entry: only meta.json and
+    tokens.npy matter there."""
     meta_path, tok_path, tokens_path = entry / "meta.json", entry / "tokenizer" / "tokenizer.json", entry / "tokens.npy"
     try:
         meta = json.loads(meta_path.read_text())
         num_tokens, dtype = int(meta["num_tokens"]), np.dtype(meta["dtype"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{meta_path}: {type(e).__name__}: {_first_line(e)}"
-    try:
-        learned = Tokenizer.from_file(str(tok_path)).get_vocab_size()
-    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
-        return f"{tok_path}: {type(e).__name__}: {_first_line(e)}"
-    if learned != vocab_size:
-        return f"{tok_path}: {learned} tokens, expected {vocab_size}"
+    if pretrained:
+        if meta.get("vocab_size") != vocab_size:
+            return f"{meta_path}: vocab_size {meta.get('vocab_size')}, expected {vocab_size}"
+    else:
+        try:
+            learned = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
+            return f"{tok_path}: {type(e).__name__}: {_first_line(e)}"
+        if learned != vocab_size:
+            return f"{tok_path}: {learned} tokens, expected {vocab_size}"
     try:
         tokens = np.load(tokens_path, mmap_mode="r")
     except (OSError, ValueError) as e:
@@ -208,7 +225,10 @@ def _discard(entry: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _build(source, fingerprint: str, vocab_size: int, out: Path) -> None:
+def _build(source, fingerprint: str, vocab_size: int, out: Path, pretrained=None) -> None:
+    if pretrained is not None:
+        _build_pretrained(source, fingerprint, out, pretrained)
+        return
     t0 = time.perf_counter()
     tok = train_bpe(source.documents(), vocab_size)
     train_s = time.perf_counter() - t0
@@ -236,6 +256,30 @@ def _build(source, fingerprint: str, vocab_size: int, out: Path) -> None:
         "eos_token_id": tok.token_to_id(EOS_TOKEN),
         "pad_token_id": tok.token_to_id(PAD_TOKEN),
         "train_seconds": round(train_s, 3),
+        "encode_seconds": round(encode_s, 3),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _build_pretrained(source, fingerprint: str, out: Path, pretrained) -> None:
+    pretrained.copy_files(out / "tokenizer")
+    t0 = time.perf_counter()
+    tokens, n_docs, n_chars = pretrained.encode(source.documents(), token_dtype(pretrained.vocab_size))
+    encode_s = time.perf_counter() - t0
+    if n_docs == 0:
+        raise ConfigError(f"data.source {source!r} produced no documents")
+    np.save(out / "tokens.npy", tokens)
+    meta = {
+        "format": CACHE_FORMAT,
+        "fingerprint": fingerprint,
+        "vocab_size": pretrained.vocab_size,
+        "tokenizer": pretrained.meta(),
+        "num_documents": n_docs,
+        "num_chars": n_chars,
+        "num_tokens": int(tokens.size),
+        "dtype": np.dtype(tokens.dtype).name,
+        "eos_token_id": pretrained.eos_token_id,
+        "pad_token_id": pretrained.pad_token_id,
         "encode_seconds": round(encode_s, 3),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))

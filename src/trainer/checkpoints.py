@@ -8,7 +8,8 @@ Exports (rank 0, after fit):
 - ``export/model_fp32.pt``: one consolidated fp32 state dict of the LightningModule, made
   with DeepSpeed's zero_to_fp32 (through Lightning's wrapper) from sharded checkpoints.
 - ``export/hf/``: the network as a HF ``save_pretrained`` directory plus the tokenizer, so
-  ``AutoModelForCausalLM.from_pretrained(run_dir/"export/hf")`` loads it back.
+  ``AutoModelForCausalLM.from_pretrained(run_dir/"export/hf")`` loads it back. A pretrained
+  tokenizer's files are copied byte for byte; config.json's eos/bos/pad ids are the tokenizer's.
 """
 
 from __future__ import annotations
@@ -139,8 +140,10 @@ class FinalCheckpoint(Callback):
         save_verified(trainer, self.path)
 
 
-def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf: bool) -> dict[str, str]:
-    """Rank 0 only: consolidate ``ckpt`` to fp32, and optionally write a HF directory."""
+def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf: bool,
+                 tokenizer_dir: Path | None = None) -> dict[str, str]:
+    """Rank 0 only: consolidate ``ckpt`` to fp32, and optionally write a HF directory with the
+    tokenizer (``tokenizer_dir``: a pretrained tokenizer's files, copied as they are)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fp32_path = out_dir / "model_fp32.pt"
     if ckpt.is_dir():
@@ -161,6 +164,30 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
         from src.models.deepseek import save_pretrained_dir
 
         hf_dir = out_dir / "hf"
-        save_pretrained_dir(net, hf_dir, tokenizer=tokenizer, state_dict=net_state)
+        align_special_token_ids(net, tokenizer)
+        save_pretrained_dir(net, hf_dir, tokenizer=None if tokenizer_dir else tokenizer, state_dict=net_state)
+        if tokenizer_dir is not None:
+            from src.data.pretrained_tokenizer import copy_tokenizer_files
+
+            copy_tokenizer_files(tokenizer_dir, hf_dir)
         exports["hf"] = str(hf_dir)
     return exports
+
+
+def align_special_token_ids(net: Any, tokenizer: Any) -> None:
+    """config.json (and generation_config.json) name the tokenizer's eos/bos/pad ids, so the export
+    stops generating where the tokenizer ends a document. A random-init model's config carries its
+    class defaults (DeepSeek-V3: eos 1, which is the BPE's pad); a pretrained model's already agree
+    (checked before training, src/trainer/tokenizer_check.py) and are left as they are."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return
+    configs = [c for c in (getattr(net, "config", None), getattr(net, "generation_config", None)) if c is not None]
+    for role in ("eos", "bos", "pad"):
+        token_id = getattr(tokenizer, f"{role}_token_id", None)
+        if token_id is None:
+            continue
+        for config in configs:
+            current = getattr(config, f"{role}_token_id", None)
+            if token_id in current if isinstance(current, list) else token_id == current:
+                continue
+            setattr(config, f"{role}_token_id", token_id)

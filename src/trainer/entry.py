@@ -36,14 +36,16 @@ from src.trainer.reshard import enable_universal_loading, plan_resume
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 from src.trainer.optim import scaled_lr
 from src.trainer.secrets import redact
+from src.trainer.tokenizer_check import check_fits_model, settle_tokenizer, settle_vocab_size
 from src.trainer.validate import fp16_supported, validate_config
 
 log = logging.getLogger(__name__)
 
 
 def prepare_config(cfg: DictConfig) -> None:
-    """Validate, then settle the values derived from others (ds_config.json, LR scaling)."""
+    """Validate, then settle the values derived from others (tokenizer, ds_config.json, LR scaling)."""
     validate_config(cfg)
+    settle_tokenizer(cfg)  # data.tokenizer (the model's own, or a fresh BPE) and data.vocab_size
     if str(cfg.trainer.accelerator) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with open_dict(cfg):
@@ -58,12 +60,17 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # and a bad callback value fails in ~1 s instead of after data and model are built
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
     datamodule = hydra.utils.instantiate(cfg.data)
+    pretrained = getattr(datamodule, "pretrained", None)
+    if pretrained is not None:  # a hub tokenizer's size is known only now; model configs interpolate it
+        settle_vocab_size(cfg, datamodule.vocab_size, pretrained.label)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg.pop("tokenizer", None)  # read by the data config (data.tokenizer), not a module argument
     module = hydra.utils.instantiate(
-        cfg.model,
+        model_cfg,
         optimizer=hydra.utils.instantiate(cfg.optim.optimizer),
         scheduler=hydra.utils.instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
     )
-    _check_vocab(module, datamodule)
+    _check_vocab(module, datamodule, pretrained_net="name_or_path" in (cfg.model.get("net") or {}))
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
     pre = cfg.get("preemption") or {}
     preemption = PreemptionCheckpoint(ckpt_dir, signals=list(pre.get("signals", ["SIGTERM", "SIGUSR1"])),
@@ -86,9 +93,18 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     return datamodule, module, trainer, final_ckpt
 
 
-def _check_vocab(module: Any, datamodule: Any) -> None:
+def _check_vocab(module: Any, datamodule: Any, pretrained_net: bool) -> None:
     emb = getattr(module.net, "get_input_embeddings", lambda: None)()
     model_vocab = getattr(emb, "num_embeddings", None)
+    pretrained = getattr(datamodule, "pretrained", None)
+    if pretrained is not None:  # the loaded tokenizer against the built model (covers hub ids)
+        config = getattr(module.net, "config", None)
+        # special ids only mean something in a pretrained model's config (a random init's are defaults)
+        config = config.to_dict() if pretrained_net and hasattr(config, "to_dict") else {}
+        if model_vocab is not None:
+            config["vocab_size"] = model_vocab
+        check_fits_model(pretrained.facts, pretrained.label, config, "the model's config (model.net)")
+        return
     if model_vocab is not None and model_vocab < datamodule.vocab_size:
         raise ConfigError(
             f"data.vocab_size={datamodule.vocab_size} exceeds the model's vocabulary ({model_vocab}); "
@@ -130,8 +146,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf) and not preempted:
             net_factory = lambda: hydra.utils.instantiate(cfg.model.net)  # noqa: E731
+            pretrained = getattr(datamodule, "pretrained", None)
             metrics["exports"] = export_final(
-                final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf)
+                final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf),
+                tokenizer_dir=pretrained.local_dir if pretrained is not None else None,
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md

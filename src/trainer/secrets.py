@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential|auth)", re.IGNORECASE)
+# "token" but not "tokenizer" (a path) or "tokens" (counts such as data.max_tokens)
+SECRET_KEY = re.compile(r"(api[_-]?key|token(?!izer|s)|secret|password|passwd|credential|auth)", re.IGNORECASE)
 REDACTED = "***"
 
 

@@ -22,6 +22,7 @@ from src.trainer.ds_config import check_ds_json
 from src.trainer.global_batch import check_global_batch_size
 from src.trainer.launch_env import check_launcher_matches
 from src.trainer.targets import check_targets
+from src.trainer.tokenizer_check import check_tokenizer
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 
@@ -92,7 +93,7 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such file or directory")
     _validate_data(cfg.data)
     _check_moe_aux_coef(cfg.model)
-    _check_model_fits_data(cfg.model, cfg.data)
+    _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
     check_ds_json(cfg)
     check_targets(cfg)
@@ -177,31 +178,37 @@ def _check_moe_aux_coef(model: DictConfig) -> None:
         raise ConfigError(f"model.moe_aux_loss_coef={value!r} is invalid; valid: auto, or a number >= 0 (0 = off)")
 
 
-def _check_model_fits_data(model: DictConfig, data: DictConfig) -> None:
-    """data.seq_len <= the model's positions and data.vocab_size <= its embedding rows, from the
-    config alone (for model=hf_pretrained: from its config.json), before anything is built."""
+def _check_model_fits_data(cfg: DictConfig) -> None:
+    """data.seq_len <= the model's positions, and the token ids fit its embedding rows, from the
+    config alone (for model=hf_pretrained: from its config.json), before anything is built. The
+    ids are the tokenizer's when a pretrained one is used (its rules: tokenizer_check.py), else
+    data.vocab_size's."""
+    model, data = cfg.model, cfg.data
     net = model.get("net")
     if not isinstance(net, DictConfig):
         return
     max_pos, model_vocab = net.get("max_position_embeddings"), net.get("vocab_size")
     pos_name, vocab_name = "model.net.max_position_embeddings", "model.net.vocab_size"
     pos_fix, vocab_fix = f"raise {pos_name}", f"raise {vocab_name}"
-    where = ""
+    where, model_config, config_name = "", {"vocab_size": model_vocab}, "model.net"
     if "name_or_path" in net:
         loaded = pretrained_config(net.name_or_path)
         if loaded is None:
-            return  # a hub id: checked when it is loaded
-        config, config_file = loaded
-        max_pos = config.get("max_position_embeddings", config.get("n_positions"))
-        model_vocab = config.get("vocab_size")
-        pos_name, vocab_name = "the model's max_position_embeddings", "the model's vocab_size"
-        where = f" in {config_file}"
-        pos_fix, vocab_fix = "use a model with a longer context", "use a model with a larger vocabulary"
+            model_config = None  # a hub id: checked when it is loaded
+        else:
+            model_config, config_file = loaded
+            max_pos = model_config.get("max_position_embeddings", model_config.get("n_positions"))
+            model_vocab = model_config.get("vocab_size")
+            pos_name, vocab_name = "the model's max_position_embeddings", "the model's vocab_size"
+            where, config_name = f" in {config_file}", str(config_file)
+            pos_fix, vocab_fix = "use a model with a longer context", "use a model with a larger vocabulary"
     if _is_int(max_pos) and data.seq_len > max_pos:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds {pos_name}={max_pos}{where}; "
             f"valid: data.seq_len<={max_pos} (or {pos_fix})"
         )
+    if check_tokenizer(cfg, model_config, config_name):
+        return  # data.vocab_size follows the tokenizer, which was checked against the model
     if _is_int(model_vocab) and data.vocab_size > model_vocab:
         raise ConfigError(
             f"data.vocab_size={data.vocab_size} exceeds {vocab_name}={model_vocab}{where} (token ids "
