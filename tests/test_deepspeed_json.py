@@ -113,3 +113,34 @@ def test_seed_json_trains(name, trainer, tmp_path, shared_cache):
     if name.startswith("seed002"):
         assert resolved.data.batch_size == 8 and resolved.trainer.accumulate_grad_batches == 4
         assert "downgraded" in (run_dir / "train.log").read_text() or "fp16" in proc.stderr
+
+
+def test_optimizer_and_scheduler_auto_come_from_the_run():
+    """HF Trainer's ds_config_zero2.json shape: every optimizer/scheduler param "auto"."""
+    import functools
+
+    import torch
+
+    from src.trainer.optim import warmup_cosine
+
+    config = {"optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {k: "auto" for k in (
+                  "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")}},
+              "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}
+    module = SimpleNamespace(
+        optimizer_factory=functools.partial(torch.optim.AdamW, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        scheduler_factory=functools.partial(warmup_cosine, warmup_ratio=0.1, min_lr_ratio=0.1),
+        trainer=SimpleNamespace(accumulate_grad_batches=1, precision="bf16-mixed", estimated_stepping_batches=300,
+                                max_steps=300),
+        net=None)
+    filled = resolve_auto_values(config, module, source="ds.json")
+    assert config["optimizer"]["params"] == {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    assert config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 6e-4, "warmup_num_steps": 30,
+                                             "total_num_steps": 300}
+    assert config["fp16"]["enabled"] is False and config["bf16"]["enabled"] is True
+    assert "zero_allow_untested_optimizer" not in config  # DeepSpeed builds the optimizer itself
+    assert "optimizer.params.lr=0.0006" in filled and "scheduler.params.warmup_num_steps=30" in filled
+    # no optimizer section: the module's optimizer (any torch optimizer) may be wrapped by ZeRO
+    config = {"zero_optimization": {"stage": 2}}
+    resolve_auto_values(config, module, source="ds.json")
+    assert config["zero_allow_untested_optimizer"] is True

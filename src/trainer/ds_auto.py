@@ -15,6 +15,9 @@ model's hidden size, the schedule's warmup and total steps):
 | zero_optimization.reduce_bucket_size | hidden_size^2 |
 | zero_optimization.stage3_prefetch_bucket_size / stage3_param_persistence_threshold | 0.9 hidden_size^2 / 10 hidden_size |
 
+Without an ``optimizer`` section the module builds the optimizer from ``optim.*``; then an absent
+``zero_allow_untested_optimizer`` is set true, as Lightning does for its own ZeRO configs.
+
 Any "auto" left is a one-line error naming it. Runs on every rank (no collective).
 """
 
@@ -56,6 +59,10 @@ def resolve_auto_values(config: dict | None, module: Any, source: str | None = N
             )
         del config["gradient_accumulation_steps"]
     _precision(config, trainer, filled)
+    if "optimizer" not in config and "zero_allow_untested_optimizer" not in config:
+        # the module builds the optimizer from optim.* (any torch optimizer, as with the
+        # strategy=zero* configs, where Lightning sets the same flag)
+        config["zero_allow_untested_optimizer"] = True
     settings = _optimizer_settings(module)
     _fill(config.get("optimizer"), "optimizer.params", {k: settings.get(k) for k in _OPTIMIZER_AUTO}, filled)
     if isinstance(config.get("scheduler"), dict):
