@@ -241,45 +241,27 @@ def _build(source, fingerprint: str, vocab_size: int, out: Path, pretrained=None
     wrap(tok).save_pretrained(str(out / "tokenizer"))
     t1 = time.perf_counter()
     tokens, n_docs, n_chars = encode_documents(tok, source.documents(), token_dtype(vocab_size))
-    encode_s = time.perf_counter() - t1
-    if n_docs == 0:
-        raise ConfigError(f"data.source {source!r} produced no documents")
-    np.save(out / "tokens.npy", tokens)
-    meta = {
-        "format": CACHE_FORMAT,
-        "fingerprint": fingerprint,
-        "vocab_size": vocab_size,
-        "num_documents": n_docs,
-        "num_chars": n_chars,
-        "num_tokens": int(tokens.size),
-        "dtype": np.dtype(tokens.dtype).name,
-        "eos_token_id": tok.token_to_id(EOS_TOKEN),
-        "pad_token_id": tok.token_to_id(PAD_TOKEN),
-        "train_seconds": round(train_s, 3),
-        "encode_seconds": round(encode_s, 3),
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    _write_entry(out, source, tokens, n_docs, n_chars, {
+        "fingerprint": fingerprint, "vocab_size": vocab_size,
+        "eos_token_id": tok.token_to_id(EOS_TOKEN), "pad_token_id": tok.token_to_id(PAD_TOKEN),
+        "train_seconds": round(train_s, 3), "encode_seconds": round(time.perf_counter() - t1, 3)})
 
 
 def _build_pretrained(source, fingerprint: str, out: Path, pretrained) -> None:
     pretrained.copy_files(out / "tokenizer")
     t0 = time.perf_counter()
     tokens, n_docs, n_chars = pretrained.encode(source.documents(), token_dtype(pretrained.vocab_size))
-    encode_s = time.perf_counter() - t0
+    _write_entry(out, source, tokens, n_docs, n_chars, {
+        "fingerprint": fingerprint, "vocab_size": pretrained.vocab_size, "tokenizer": pretrained.meta(),
+        "eos_token_id": pretrained.eos_token_id, "pad_token_id": pretrained.pad_token_id,
+        "encode_seconds": round(time.perf_counter() - t0, 3)})
+
+
+def _write_entry(out: Path, source, tokens: np.ndarray, n_docs: int, n_chars: int, facts: dict) -> None:
+    """tokens.npy and meta.json of a cache entry (meta.json last: it marks the entry complete)."""
     if n_docs == 0:
         raise ConfigError(f"data.source {source!r} produced no documents")
     np.save(out / "tokens.npy", tokens)
-    meta = {
-        "format": CACHE_FORMAT,
-        "fingerprint": fingerprint,
-        "vocab_size": pretrained.vocab_size,
-        "tokenizer": pretrained.meta(),
-        "num_documents": n_docs,
-        "num_chars": n_chars,
-        "num_tokens": int(tokens.size),
-        "dtype": np.dtype(tokens.dtype).name,
-        "eos_token_id": pretrained.eos_token_id,
-        "pad_token_id": pretrained.pad_token_id,
-        "encode_seconds": round(encode_s, 3),
-    }
+    meta = {"format": CACHE_FORMAT, **facts, "num_documents": n_docs, "num_chars": n_chars,
+            "num_tokens": int(tokens.size), "dtype": np.dtype(tokens.dtype).name}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
