@@ -373,3 +373,18 @@ def test_report_renders_in_headless_chromium(runs, tmp_path):
         colourful = float(((rgb.max(axis=2) - rgb.min(axis=2)) > 80).mean())
         # the figures drew (a text-only page: ~0.3% colourful pixels, headings and row markers)
         assert colourful > 0.01, colourful
+
+
+def test_deepspeed_wall_clock_timers_draw_the_phase_figure(tmp_path):
+    """A ds_config with wall_clock_breakdown logs deepspeed/<phase>_ms (ds_wall_clock): with no
+    debug preset on, the report's comm/compute figure stacks those phases."""
+    from src.report.load import load_run
+    from src.report.plots import comm_compute
+
+    rows = [{"step": s, "deepspeed/fwd_ms": 200.0 + s, "deepspeed/bwd_inner_ms": 280.0, "deepspeed/bwd_allreduce_ms":
+             30.0, "deepspeed/step_ms": 25.0} for s in (1, 2, 3)]
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = comm_compute(load_run(tmp_path))
+    assert png is not None and png.startswith(b"\x89PNG")
+    (tmp_path / "history.jsonl").write_text(json.dumps({"step": 1, "train/loss": 8.0}) + "\n")
+    assert comm_compute(load_run(tmp_path)) is None

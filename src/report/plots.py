@@ -11,8 +11,8 @@ global backend switch, no display needed, safe to call inside a training process
 | ``rank_step_time`` | ``ranks/step_time_{min,mean,max}`` (band) | ``debug=logs`` |
 | ``rank_memory`` | ``ranks/mem_mb_{min,mean,max}`` (band) | ``debug=logs`` |
 | ``moe_load`` | ``moe/load_imbalance``; heatmap of ``moe/load/L<layer>/E<expert>`` keys if present | MoE models (``model.moe_metrics``) |
-| ``comm_compute`` | stacked: ``ranks/{comm,compute}_time_mean``, else ``comm/share``, else ``time/<phase>_ms`` |
-|   | (first found) | ``debug=logs`` / ``comm`` / ``profile`` |
+| ``comm_compute`` | stacked: ``ranks/{comm,compute}_time_mean``, else ``comm/share``, else ``time/<phase>_ms``, else ``deepspeed/<phase>_ms`` |
+|   | (first found) | ``debug=logs`` / ``comm`` / ``profile`` / a ds_config's ``wall_clock_breakdown`` |
 """
 
 from __future__ import annotations
@@ -203,6 +203,12 @@ def comm_compute(run: RunData) -> bytes | None:
     steps, values = _aligned(run, [f"time/{p}_ms" for p in phases])
     if phases and steps:
         return _stack(steps, dict(zip(phases, values)), "step time by phase (profiler)", "ms")
+    # a ds_config with wall_clock_breakdown: DeepSpeed's own timers (src/callbacks/ds_wall_clock.py)
+    names = {"fwd": "forward", "bwd_inner": "backward (local)", "bwd_allreduce": "gradient reduction",
+             "step": "optimizer step"}
+    steps, values = _aligned(run, [f"deepspeed/{p}_ms" for p in names])
+    if steps:
+        return _stack(steps, dict(zip(names.values(), values)), "step time by phase (DeepSpeed timers, rank 0)", "ms")
     return None
 
 
@@ -233,7 +239,8 @@ FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[
     "rank_memory": ("Memory per rank", rank_memory, "enable debug=logs (log_sync)"),
     "moe_load": ("MoE expert load", moe_load, moe_missing),
     "comm_compute": ("Communication vs compute", comm_compute,
-                     "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler)"),
+                     "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler), or "
+                     "\"wall_clock_breakdown\": true in a ds_config.json"),
 }
 
 
