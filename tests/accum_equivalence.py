@@ -176,7 +176,8 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     findings = [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()
                 if line.strip()] if (run_dir / "findings.jsonl").exists() else []
     del get_channel
-    return {"grad_norm": probe.grad_norm, "weights": probe.weights, "global_step": trainer.global_step,
+    check = next((c for c in trainer.callbacks if type(c).__name__ == "GradScaleCheck"), None)
+    return {"grad_norm": probe.grad_norm, "grad_scale_factor": getattr(check, "factor", None), "weights": probe.weights, "global_step": trainer.global_step,
             "rank": trainer.global_rank, "world_size": trainer.world_size,
             "findings": [f for f in findings if f["check"] == "grad_scale"]}
 

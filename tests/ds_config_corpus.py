@@ -114,6 +114,8 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
         "gradient_checkpointing": bool(getattr(module.net, "is_gradient_checkpointing", False)),
         "loss": float(loss) if loss is not None and math.isfinite(float(loss)) else None,
         "module": type(module).__name__, "history_keys": history_keys,
+        "grad_scale_factor": next((c.factor for c in trainer.callbacks if type(c).__name__ == "GradScaleCheck"),
+                                  None),
         "findings": [(f["check"], f["code"], f["severity"]) for f in findings],
         "finding_messages": {f["code"]: f["message"] for f in findings},
         "logs": records.lines, "rank": trainer.global_rank,

@@ -53,8 +53,8 @@ def test_accumulation_equals_one_big_batch(strategy, devices, tmp_path_factory, 
     # float noise in near-zero gradients ~1e-2): there the norm above is the evidence
     tol = 0.05 if strategy.endswith("offload") else 1e-5
     assert _max_weight_diff(accum["weights"], big["weights"]) < tol
-    for run in (accum, big):
-        assert [f["code"] for f in run["findings"]] == ["grad_scale_ok"], run["findings"]
+    for run in (accum, big):  # the grad_scale check measured the scale the config implies, silently
+        assert run["findings"] == [] and run["grad_scale_factor"] == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.slow

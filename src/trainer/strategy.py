@@ -82,7 +82,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine
         # would divide it again by gradient_accumulation_steps (the same number: Lightning sets
         # it), leaving gradients k times too small (Lightning #6170). The grad_scale check
-        # (src/callbacks/grad_scale.py) verifies the scale at the start of every run.
+        # (src/trainer/grad_scale.py) verifies the scale at the start of every run.
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

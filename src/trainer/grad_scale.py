@@ -16,7 +16,12 @@ backward path applies on top of Lightning's 1/k: it must equal the mixed-precisi
 nothing more. It also compares the engine's ``gradient_accumulation_steps`` with
 ``trainer.accumulate_grad_batches`` (a mismatch moves the optimizer step off Lightning's
 accumulation boundary). Each rank reaches the same verdict from the same config; rank 0 writes
-the finding, every rank applies the policy. Afterwards its hooks return at once.
+the finding, every rank applies the policy. Afterwards its hooks return at once. A healthy
+verdict is one log line (``grad_scale: verified ...``) and ``factor`` on the callback, not a
+finding: findings are for what needs a person.
+
+It is framework integrity, not a debug technique: on in every run (``debug=none`` included,
+like the liveness and preemption callbacks), off with ``~callbacks.grad_scale``.
 
 Not covered here: the averaging of gradients across data-parallel ranks (DDP and DeepSpeed
 average; tests/test_accumulation.py checks k x b against k*b end to end at 1 and 2 ranks).
@@ -30,13 +35,13 @@ Example::
 |---|---|---|
 | ``grad_scale_wrong`` | error | the backward path scales the loss by a factor other than the loss scale |
 | ``accumulation_mismatch`` | error | DeepSpeed's gradient_accumulation_steps != trainer.accumulate_grad_batches |
-| ``grad_scale_ok`` | info | verified: the factor, k and the loss scale |
 
 It logs no metrics.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -45,6 +50,8 @@ from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
 
 __all__ = ["GradScaleCheck"]
+
+log = logging.getLogger(__name__)
 
 
 class GradScaleCheck(DebugCallback):
@@ -59,6 +66,7 @@ class GradScaleCheck(DebugCallback):
             raise ConfigError(f"callbacks.grad_scale.rtol must be a number in (0, 1), got {rtol!r}")
         self.rtol = float(rtol)
         self.done = False
+        self.factor: float | None = None  # measured: 1.0 = as configured
         self._seen: torch.Tensor | None = None
         self._expected: float | None = None
         self._mismatch = False
@@ -94,17 +102,15 @@ class GradScaleCheck(DebugCallback):
         self.done = True
         if self._seen is None:
             return  # the loss got no gradient (not back-propagated through it): nothing to judge
-        factor = float(self._seen) / self._expected
+        factor = self.factor = float(self._seen) / self._expected
         accum = int(trainer.accumulate_grad_batches)
         details = {"factor": factor, "loss_scale": self._expected, "accumulate_grad_batches": accum,
                    "strategy": type(trainer.strategy).__name__}
         if abs(factor - 1.0) <= self.rtol:
-            if self._mismatch:
-                return  # the per-micro-batch factor is right, but accumulation_mismatch already said what is not
-            self._verdict(trainer, "info", "grad_scale_ok",
-                          f"each micro-batch's loss reaches the gradients scaled by 1/{accum} "
-                          f"(accumulate_grad_batches={accum}) x the loss scale {self._expected:g}, as configured",
-                          "", details)
+            if not self._mismatch and trainer.global_rank == 0:
+                log.info("grad_scale: verified: each micro-batch's loss reaches the gradients scaled by 1/%d "
+                         "(accumulate_grad_batches=%d) x the loss scale %g, as configured", accum, accum,
+                         self._expected)
             return
         engine = _engine(trainer)
         gas = int(engine.gradient_accumulation_steps()) if engine is not None else None
