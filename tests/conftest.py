@@ -33,6 +33,24 @@ TINY_NET = ["model.net._target_=tests.planted_data.HealthyTinyLM"]
 SMALL_DEEPSEEK = ["model.net.hidden_size=64", "model.net.num_hidden_layers=2"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_process_env():
+    """Every test starts from the session's environment and torch thread count. An in-process fit
+    changes both for the rest of the process (Lightning's CPU DDP sets OMP_NUM_THREADS=<cores per
+    process>, seed_everything sets PL_GLOBAL_SEED, ...), and every later `python train.py` this
+    process starts would inherit them: a 2-process run then used 2 threads per rank instead of
+    Lightning's 1, and two runs of the same config differed in the last bit of one logged loss."""
+    import torch
+
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory) -> Path:
     """One tokenizer/token cache for the whole session (trained once, ~2 s)."""
