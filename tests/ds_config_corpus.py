@@ -83,7 +83,8 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
     logging.getLogger().addHandler(records)
     logging.getLogger().setLevel(logging.INFO)
     try:
-        cfg = compose([*OVERRIDES, f"strategy.config={CONFIGS / name}", f"trainer.devices={devices}",
+        path = CONFIGS / name if (CONFIGS / name).is_file() else REPO / name  # or examples/ds_configs/...
+        cfg = compose([*OVERRIDES, f"strategy.config={path}", f"trainer.devices={devices}",
                        *EXTRA.get(name, [])], run_dir)
         prepare_config(cfg)
         configure_channel(run_dir)
