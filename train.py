@@ -25,6 +25,12 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # child ranks were started from a checked config
+    from src.trainer.launch_env import detect
+    from src.trainer.run_dir import main_argv
+
+    sys.argv[1:] = main_argv()  # torchrun / srun / deepspeed: one run dir for every rank of the job
+    # our own child ranks were started from a checked config; an external launcher's were not
+    # (every rank checks; only rank 0 prints the error line)
+    if os.environ.get("LOCAL_RANK", "0") == "0" or detect() is not None:
         precheck_overrides(sys.argv[1:], ROOT / "conf", "train")
     main()
