@@ -196,7 +196,8 @@ def compare_facts(gathered: list[dict[str, Any]], ignore: list[str] | tuple[str,
             shown[ident] = _shown(value)
         if len(groups) < 2:
             continue
-        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))  # outliers first
+        # the reference is the largest group (rank 0's on a tie); the others are the outliers, listed first
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))
         name = key.split(".", 1)[1] if key.startswith("env.") else key
         parts = [f"{name_ranks(ranks, hosts)} {'has' if len(ranks) == 1 else 'have'} {shown[ident]}"
                  for ident, ranks in ordered]
@@ -210,7 +211,7 @@ def compare_facts(gathered: list[dict[str, Any]], ignore: list[str] | tuple[str,
             "code": f"{category}_mismatch", "key": key,
             "message": f"{name} differs across ranks: {'; '.join(parts)}{extra}",
             "advice": _ADVICE[category],
-            "rank": outliers[0] if len(outliers) == 1 and len(ordered[-1][1]) > 1 else None,
+            "rank": outliers[0] if len(ordered) == 2 and len(outliers) == 1 else None,
             "details": {"key": key, "values": {r: shown[i] for i, rs in groups.items() for r in rs}, "hosts": hosts},
         })
     return out

@@ -116,6 +116,7 @@ class RankFiles(Callback):
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
         self.sees_rank0 = True
+        self.shared: list[bool] = []  # rank 0: per rank, whether its marker is in this run dir
         self.world: list[dict[str, Any]] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -134,6 +135,7 @@ class RankFiles(Callback):
             gathered = [me]
         self.world = gathered
         self.sees_rank0 = rank == 0 or self._visible(run_dir, gathered[0])
+        self.shared = [self._visible(run_dir, m) for m in gathered] if rank == 0 else []
         if trainer.is_global_zero:
             self._write_world(run_dir, collected=[])
 
@@ -143,8 +145,8 @@ class RankFiles(Callback):
         return isinstance(seen, dict) and seen.get("token") == marker["token"]
 
     def _write_world(self, run_dir: Path, collected: list[int]) -> None:
-        ranks = [{k: m[k] for k in ("rank", "host", "pid", "run_dir")} | {"shared": self._visible(run_dir, m)}
-                 for m in self.world or []]
+        ranks = [{k: m[k] for k in ("rank", "host", "pid", "run_dir")} | {"shared": shared}
+                 for m, shared in zip(self.world or [], self.shared)]  # as seen at setup, before any merge
         for entry in ranks:
             if entry["rank"] in collected:
                 entry["collected"] = True
