@@ -106,6 +106,14 @@ def _gpu_facts(device: torch.device | None) -> dict[str, Any]:
     return facts
 
 
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()  # (2, 21, 5) in torch 2.x, an int in older builds
+    except Exception:  # noqa: BLE001 - a CUDA build without NCCL
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def _secret(name: str, value: str) -> Any:
     """A secret-looking variable's value as a digest: still comparable, never printable."""
     if SECRET_KEY.search(name) and value:
@@ -156,7 +164,7 @@ def rank_facts(cfg: Any = None, device: torch.device | None = None, environ: dic
         "version.python": platform.python_version(), "version.torch": torch.__version__,
         "version.cuda": torch.version.cuda,
         "version.cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "version.nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "version.nccl": _nccl_version() if cuda else None,
         **{f"version.{d}": _version(d) for d in ("deepspeed", "transformers", "lightning", "numpy")},
         **_gpu_facts(device),
     }
