@@ -63,7 +63,8 @@ def test_default_composition_matches_the_product_card():
     assert cfg.strategy.stage == 2 and cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 1
     assert cfg.optim.scheduler.warmup_ratio == 0.1 and cfg.optim.grad_clip == 1.0
     assert list(cfg.logger) == ["tensorboard"]
-    assert set(cfg.callbacks) == {"model_checkpoint", "lr_monitor", "rich_progress_bar", "model_summary", "grad_scale"}
+    assert set(cfg.callbacks) == {"model_checkpoint", "lr_monitor", "rich_progress_bar", "model_summary", "grad_scale",
+                                 "consistency"}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
@@ -92,7 +93,7 @@ def test_loggers_and_callbacks_instantiate(logger, tmp_path, monkeypatch):
     OmegaConf.update(cfg, "paths.output_dir", str(tmp_path), force_add=True)
     loggers = instantiate_loggers(cfg.logger)
     assert loggers and all(isinstance(lg, Logger) for lg in loggers)
-    assert len(instantiate_callbacks(cfg.callbacks)) == 5
+    assert len(instantiate_callbacks(cfg.callbacks)) == 6
     assert os.getcwd() == str(REPO) or not (Path.cwd() / "wandb").exists()
 
 

@@ -109,6 +109,7 @@ class LogSync(DebugCallback):
             self.buffer = _LineBuffer(getattr(logging, self.log_level), self.max_lines)
             logging.getLogger().addHandler(self.buffer)
         self.offsets: list[float] = [0.0]
+        self.hosts: list[str] = []
         self.flagged: set[int] = set()
         self._reset_window()
         self._last_sync = -1
@@ -136,6 +137,7 @@ class LogSync(DebugCallback):
         stamps: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(stamps, (socket.gethostname(), time.time()))
         host0, t0 = stamps[0]
+        self.hosts = [host for host, _ in stamps]  # the merged timeline names each line's host
         return [0.0 if host == host0 else t - t0 for host, t in stamps]
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -260,7 +262,9 @@ class LogSync(DebugCallback):
         if not trainer.is_global_zero:
             return
         now = time.time()
-        merged = [dict(rec, time=rec["time"] - self.offsets[rank]) for rank, recs in enumerate(gathered) for rec in recs]
+        hosts = self.hosts or [None] * len(gathered)
+        merged = [dict(rec, time=rec["time"] - self.offsets[rank], host=hosts[rank])
+                  for rank, recs in enumerate(gathered) for rec in recs]
         merged += [{"time": now, "rank": r, "kind": "metrics", "step": trainer.global_step, **dict(zip(_STATS, row))}
                    for r, row in enumerate(rows)]
         self._append(Path(trainer.default_root_dir), sorted(merged, key=lambda rec: rec["time"]))
@@ -296,7 +300,8 @@ class LogSync(DebugCallback):
                 out.append(f"{stamp} [rank {rec['rank']}] METRICS step={rec.get('step')} {stats}")
             else:
                 message = str(rec.get("message", "")).replace("\n", "\n    ")  # continuation lines indented
-                out.append(f"{stamp} [rank {rec['rank']}] {rec['level']} {rec['logger']}: {message}")
+                host = f" [{rec['host']}]" if rec.get("host") else ""
+                out.append(f"{stamp} [rank {rec['rank']}]{host} {rec['level']} {rec['logger']}: {message}")
         (run_dir / MERGED).write_text("\n".join(out) + "\n")
 
     def _finish_wandb(self, trainer: Any, exception: BaseException) -> None:

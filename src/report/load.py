@@ -105,6 +105,20 @@ def read_top_ops(run_dir: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def read_ranks(run_dir: str | Path) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any]]]:
+    """(``ranks/world.json``: every rank of the job with host and run dir, or None;
+    rank -> ``ranks/rank<r>.json``: the ranks whose files reached this run dir).
+    Written by src/trainer/rank_files.py."""
+    heard: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(run_dir, "ranks").glob("rank*.json")):
+        record = _json(path)
+        suffix = path.stem[len("rank"):]
+        if isinstance(record, dict) and suffix.isdigit():
+            heard[int(suffix)] = record
+    world = _json(Path(run_dir, "ranks", "world.json"))
+    return (world if isinstance(world, dict) and isinstance(world.get("ranks"), list) else None), heard
+
+
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     config: dict[str, Any] = {}

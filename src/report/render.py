@@ -14,7 +14,8 @@ from typing import Any
 
 from src.report import plots, rules
 from src.report.doc import Document
-from src.report.load import RunData, load_run, read_overrides, read_repro, read_top_ops
+from src.findings.ranks import name_ranks
+from src.report.load import RunData, load_run, read_overrides, read_ranks, read_repro, read_top_ops
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def _summary(doc: Document, run: RunData) -> None:
             pairs.append((key, f"{value:.4f}"))
     if moe_line(run):
         pairs.append(("MoE", moe_line(run)))
+    pairs += ranks_fields(run)
     if run.crash is not None:
         pairs.append(("exit code", f"!{run.crash.get('exit_code')}"))
         pairs.append(("error", f"!{run.crash.get('error') or run.crash.get('exception') or 'unknown'}"))
@@ -100,6 +102,32 @@ def _summary(doc: Document, run: RunData) -> None:
     tail = (run.crash or {}).get("traceback_tail")
     if tail:
         doc.details("traceback (tail)", tail if isinstance(tail, str) else "\n".join(map(str, tail)))
+
+
+def ranks_fields(run: RunData) -> list[tuple[str, str]]:
+    """Which ranks this run dir heard from (their findings and per-rank files are here) and which not."""
+    world, heard = read_ranks(run.path)
+    if world is None and not heard:
+        return []
+    everyone = {int(e["rank"]): e for e in (world or {}).get("ranks", []) if isinstance(e, dict) and "rank" in e}
+    size = int((world or {}).get("world_size") or max((int(m.get("world_size") or 0) for m in heard.values()),
+                                                      default=len(heard)))
+    hosts = {r: str(e.get("host", "?")) for r, e in everyone.items()} | {r: str(m.get("host", "?"))
+                                                                         for r, m in heard.items()}
+    merged = sorted(r for r, e in everyone.items() if e.get("collected"))
+    text = f"{len(heard)} of {size}: {name_ranks(heard, hosts)}" if heard else f"none of {size}"
+    if merged:
+        text += f"; {name_ranks(merged)} collected through the process group (node-local run dir)"
+    missing = sorted(set(range(size)) - set(heard))
+    if size <= 1 and not missing:
+        return []  # a 1-process run: nothing to say
+    fields = [("ranks heard from", text)]
+    if missing:
+        where = sorted({f"{everyone[r].get('host')}:{everyone[r].get('run_dir')}" for r in missing if r in everyone})
+        fields.append(("ranks not heard from", f"!{name_ranks(missing, hosts)}: their findings and files are not in "
+                       "this run dir (the run ended before they were collected)"
+                       + (f"; look in {', '.join(where[:4])}" if where else "")))
+    return fields
 
 
 def _findings(doc: Document, run: RunData) -> None:

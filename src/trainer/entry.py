@@ -32,6 +32,7 @@ from src.trainer.global_batch import apply_global_batch_size, world_size
 from src.trainer.liveness import LivenessCallback, watch_parent
 from src.trainer.liveness import state as liveness_state
 from src.trainer.preemption import PreemptionCheckpoint
+from src.trainer.rank_files import RankFiles
 from src.trainer.reshard import enable_universal_loading, plan_resume
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 from src.trainer.optim import scaled_lr
@@ -59,6 +60,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # callbacks first: they set env vars/flags (seeds, NCCL debug) before anything else exists,
     # and a bad callback value fails in ~1 s instead of after data and model are built
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    for callback in callbacks:  # checks that compare the run's config across ranks (consistency)
+        if hasattr(callback, "bind_config"):
+            callback.bind_config(cfg)
     datamodule = hydra.utils.instantiate(cfg.data)
     pretrained = getattr(datamodule, "pretrained", None)
     if pretrained is not None:  # a hub tokenizer's size is known only now; model configs interpolate it
@@ -77,7 +81,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
                                       enabled=bool(pre.get("enabled", True)))
     final_ckpt = FinalCheckpoint(ckpt_dir, preemption=preemption)
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
-    callbacks = [FinalStep(), *callbacks, LivenessCallback(), preemption, final_ckpt]
+    # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
+    callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
     from src.callbacks.log_sync import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
