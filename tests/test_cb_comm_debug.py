@@ -58,7 +58,7 @@ def test_env_is_set_at_construction_and_restored_at_teardown(tmp_path, restore_e
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     cb = CommDebug(run_dir=str(tmp_path), distributed_debug="DETAIL", measure_comm=False, hang_timeout_s=0)
     assert os.environ["NCCL_DEBUG"] == "INFO" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
     import torch.distributed as dist
 
     assert dist.get_debug_level() == dist.DebugLevel.DETAIL  # re-read now, not only in the children
