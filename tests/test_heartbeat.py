@@ -111,3 +111,13 @@ def test_the_thread_reports_a_death_the_main_thread_never_sees(ranks):
         assert time.time() < deadline
         time.sleep(0.05)
     assert len(seen) == 1 and seen[0]["rank"] == 1
+
+
+def test_a_rank_that_failed_on_its_own_ends_the_search_at_once(ranks):
+    store = FlakyStore()
+    r0, r1 = ranks(store, 0, world=2).start(), ranks(store, 1, world=2).start()
+    _wait_seen(r1, [0])
+    r0.mark_exit("failed: ValueError: a bug on rank 0", first_failure=True)
+    started = time.monotonic()
+    assert r1.find_dead(wait_s=30) is None
+    assert time.monotonic() - started < 30  # returned before the wait ran out

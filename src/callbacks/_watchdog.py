@@ -200,20 +200,28 @@ class HangWatchdog:
         finally:  # whatever failed above, the job must not stay hung
             self._end()
 
-    def _report(self, stalled_s: float) -> None:
+    def _claim(self, key: str) -> bool:
         try:
-            reporter = self.store.compare_set("flag", "", str(self.rank)).decode() == str(self.rank)
+            return self.store.compare_set(key, "", str(self.rank)).decode() == str(self.rank)
         except Exception:  # noqa: BLE001 - no store: report what this rank knows
-            reporter = True
+            return True
+
+    def _report(self, stalled_s: float) -> None:
+        first = self._claim("flag")  # the rank that noticed first: it makes sure someone reports
         where = where_is(self._training_thread)
         self._write_beat(where)
         self._dump(stalled_s, where)
-        if reporter:
+        reporter = False
+        if first or self.rank == 0:
             def everyone_fired() -> bool:
                 beats = self.read_beats()
                 return len(beats) == self.world_size and all(b.get("fired") for b in beats.values())
 
             self._wait(everyone_fired)
+            if self.rank != 0:  # rank 0 reports when its watchdog runs: its run dir holds the report
+                self._wait(lambda: self._has("reporter"))
+            reporter = self._claim("reporter")
+        if reporter:
             beats = self.read_beats()
             analysis = analyze(beats, self.world_size, time.time(), stale_s=3 * self.poll_s)
             analysis["stalled_s"], analysis["detected_by"] = round(stalled_s, 1), self.rank
@@ -226,7 +234,7 @@ class HangWatchdog:
                     pass
         else:
             log.error("comm_debug: rank %d joined the hang report (stacks in hang_rank%d.txt)", self.rank, self.rank)
-            self._wait(lambda: self._has("reported"), factor=2)
+            self._wait(lambda: self._has("reported"), factor=4)
 
     def _wait(self, done: Callable[[], bool], factor: float = 1.0) -> None:
         deadline = time.time() + factor * self.grace_s

@@ -79,6 +79,20 @@ def _boot_id() -> str | None:
         return None
 
 
+def looks_like_comm_failure(exc: BaseException | None) -> bool:
+    """An exception that a dead peer causes (gloo: 'Connection closed by peer'): worth waiting for a verdict."""
+    import torch.distributed as dist
+
+    words = ("gloo", "nccl", "connection", "broken pipe", "socket", "peer", "timed out", "timeout")
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, dist.DistError) or any(w in str(exc).lower() for w in words):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def describe(verdict: dict) -> str:
     """``rank 1 (host h, pid 123, node 1) died (...) at step 7``."""
     where = f"host {verdict.get('host', '?')}, pid {verdict.get('pid', '?')}"
@@ -115,13 +129,26 @@ class Heartbeat:
         self.mark_exit(reason)
         self._stop.set()
 
-    def mark_exit(self, reason: str) -> None:
-        """This rank ends on purpose: not to be taken for dead when its heartbeat stops."""
+    def mark_exit(self, reason: str, first_failure: bool = False) -> None:
+        """This rank ends on purpose: not to be taken for dead when its heartbeat stops. A failure
+        of its own (not a peer's death) is recorded once as ``first_failure``: the others then
+        stop looking for a dead rank."""
         try:
             with self._lock:
                 self.store.set(f"exit/{self.rank}", reason[:300])
+                if first_failure:
+                    self.store.compare_set("first_failure", "", f"{self.rank} {reason[:300]}")
         except Exception:  # noqa: BLE001 - the store may be gone with its host
             pass
+
+    def _other_failed_first(self) -> bool:
+        try:
+            with self._lock:
+                if not self.store.check(["first_failure"]):
+                    return False
+                return self.store.get("first_failure").decode().split()[0] != str(self.rank)
+        except Exception:  # noqa: BLE001
+            return False
 
     # ---- the thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -230,6 +257,6 @@ class Heartbeat:
         deadline = time.monotonic() + wait_s
         while True:
             verdict = self.check(stale_s)
-            if verdict is not None or time.monotonic() >= deadline:
+            if verdict is not None or time.monotonic() >= deadline or self._other_failed_first():
                 return verdict
             time.sleep(0.2)

@@ -22,6 +22,7 @@ written, instead of killing the rank mid-report or starting a preemption checkpo
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -221,7 +222,24 @@ def _on_peer_dead(verdict: dict) -> None:
     deadline = time.time() + PEER_GRACE_S
     while time.time() < deadline or (state.failing and time.time() < deadline + SIGTERM_HOLD_S):
         time.sleep(0.2)  # when the main thread is failing, it exits on its own with the full story
+    if state.heartbeat.rank == 0:
+        _leave_crash_record(message)
     _hard_exit(f"{message}; rank {state.heartbeat.rank} stopped too")
+
+
+def _leave_crash_record(message: str) -> None:
+    """Rank 0 ends from this thread: leave crash.json and the report, as the main thread would."""
+    from src.findings import get_channel
+
+    try:
+        run_dir = get_channel().path.parent
+        crash = {"status": "rank_died", "exit_code": 1, "error": message, "exception": "RankDied"}
+        (run_dir / "crash.json").write_text(json.dumps(crash, indent=1))
+        from src.report.finish import finish_run
+
+        finish_run(run_dir)
+    except Exception:  # noqa: BLE001 - never in the way of ending the rank
+        log.debug("no crash record", exc_info=True)
 
 
 def peer_dead_message(exc: BaseException) -> str | None:
@@ -229,22 +247,11 @@ def peer_dead_message(exc: BaseException) -> str | None:
     hb = state.heartbeat
     if hb is None:
         return None
+    from src.trainer.heartbeat import looks_like_comm_failure
+
     state.failing = True
-    verdict = hb.find_dead(FIND_WAIT_S if _looks_like_comm_failure(exc) else 0.0)
+    verdict = hb.find_dead(FIND_WAIT_S if looks_like_comm_failure(exc) else 0.0)
     return None if verdict is None else _peer_report(verdict)
-
-
-def _looks_like_comm_failure(exc: BaseException | None) -> bool:
-    import torch.distributed as dist
-
-    words = ("gloo", "nccl", "connection", "broken pipe", "socket", "peer", "timed out", "timeout")
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, dist.DistError) or any(w in str(exc).lower() for w in words):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _guard_sigterm() -> None:
@@ -295,7 +302,10 @@ class LivenessCallback(Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         state.failing = True  # before Lightning's teardown puts _guard_sigterm's handler back
         if state.heartbeat is not None:
-            state.heartbeat.mark_exit(f"failed: {type(exception).__name__}: {exception}")
+            from src.trainer.heartbeat import looks_like_comm_failure
+
+            state.heartbeat.mark_exit(f"failed: {type(exception).__name__}: {exception}",
+                                      first_failure=not looks_like_comm_failure(exception))
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         state.finishing = True
