@@ -121,3 +121,26 @@ def test_a_rank_that_failed_on_its_own_ends_the_search_at_once(ranks):
     started = time.monotonic()
     assert r1.find_dead(wait_s=30) is None
     assert time.monotonic() - started < 30  # returned before the wait ran out
+
+
+GUARD = """
+import os, signal, time
+from src.trainer import liveness
+liveness._guard_sigterm()
+liveness.state.failing = True            # this rank is writing its finding after a peer died
+os.kill(os.getpid(), signal.SIGTERM)     # torchrun's agent stopping the node's workers
+time.sleep(0.5)
+print("held", flush=True)
+liveness.state.failing = False
+os.kill(os.getpid(), signal.SIGTERM)     # any other time: SIGTERM ends the process as always
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_sigterm_is_held_while_the_rank_fails_and_default_otherwise():
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", GUARD], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["held"], proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == -15, proc.stderr[-2000:]

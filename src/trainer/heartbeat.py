@@ -221,7 +221,8 @@ class Heartbeat:
         last = value.decode().split()[-1] if value else ""
         return self._decide({"rank": r, **self.who.get(r, {}), "step": self.step(),
                              "last_beat_step": int(last) if last.isdigit() else None,
-                             "how": "died (its heartbeat stopped and it never said it was exiting)",
+                             "how": "died without an exception (its heartbeat stopped: killed by SIGKILL, often "
+                                    "the OOM killer, or its node was lost)",
                              "others": [d for d, _ in dead[1:]], "seen_by": self.rank})
 
     def _exited(self, rank: int) -> bool:
