@@ -120,6 +120,7 @@ def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_pa
     run_dir = only_run_dir(tmp_path)
     hangs = [f for f in read_findings(run_dir) if f["code"] == "hang"]
     assert len(hangs) == 1, read_findings(run_dir)
+    assert not [f for f in read_findings(run_dir) if f["code"] == "rank_died"]  # exit 124 on purpose
     hang = hangs[0]
     assert hang["severity"] == "error" and hang["rank"] == 1 and hang["step"] == 2
     assert "rank 1 is behind" in hang["message"] and "planted_comm.py" in hang["message"], hang["message"]

@@ -144,3 +144,14 @@ def test_sigterm_is_held_while_the_rank_fails_and_default_otherwise():
     proc = subprocess.run([sys.executable, "-c", GUARD], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["held"], proc.stdout + proc.stderr[-2000:]
     assert proc.returncode == -15, proc.stderr[-2000:]
+
+
+def test_the_store_going_away_after_rank_0_finished_is_not_a_death(ranks):
+    store = FlakyStore()
+    r0 = ranks(store, 0, world=2).start()
+    r1 = ranks(store, 1, world=2).start()
+    _wait_seen(r1, [0])
+    r0.stop("finished")  # rank 0 (hosting the store under srun) is done and exits
+    r1.check(60)  # rank 1 reads the exit mark (its thread does so every beat)
+    store.down = True
+    assert r1.find_dead(wait_s=1, stale_s=0.2) is None

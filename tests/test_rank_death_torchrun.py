@@ -146,7 +146,9 @@ def test_hang_watchdog_across_nodes_without_a_shared_run_dir(tmp_path, shared_ca
     assert len(hangs) == 1 and hangs[0]["rank"] == 1, read_findings(node0)
     assert "rank 1 is behind" in hangs[0]["message"] and "rank 0 waits in" in hangs[0]["message"]
     assert "torchfrtrace" in hangs[0]["advice"]
-    assert not read_findings(node1) or not [f for f in read_findings(node1) if f["code"] == "hang"]
+    assert not [f for f in read_findings(node1) if f["code"] == "hang"]
+    assert not [f for f in read_findings(node0) + read_findings(node1) if f["code"] == "rank_died"], \
+        "ranks ending on the watchdog's exit 124 are not dead ranks"
     assert "time.sleep(self.seconds)" in (node1 / "hang_rank1.txt").read_text()  # rank 1's stacks, its dir
     assert not list(tmp_path.rglob("comm_debug/*")), "heartbeat files: the store is the channel"
     # torch's analyzer reads the two nodes' dumps (gathered into one folder) and names rank 1

@@ -111,6 +111,7 @@ class Heartbeat:
         self.who: dict[int, dict] = {}  # what each watched rank registered
         self.seen: dict[int, tuple[bytes, float]] = {}  # rank -> (heartbeat value, monotonic time it changed)
         self.store_failed_at: float | None = None
+        self.exited: set[int] = set()  # ranks that said they end on purpose
         self.verdict: dict | None = None
         self.handled = False  # the main thread took over (an exception): the thread only beats
         self._n = 0
@@ -183,11 +184,15 @@ class Heartbeat:
             if self.store.check(["verdict"]):
                 return json.loads(self.store.get("verdict"))
             missing = [r for r in ranks if r not in self.who]
-            if missing and self.store.check([f"who/{r}" for r in missing]):
-                for r, raw in zip(missing, self.store.multi_get([f"who/{r}" for r in missing])):
+            if missing:  # startup: read each rank's registration once it is there
+                if not self.store.check([f"who/{r}" for r in missing]):
+                    missing = [r for r in missing if self.store.check([f"who/{r}"])]
+                for r, raw in zip(missing, self.store.multi_get([f"who/{r}" for r in missing]) if missing else []):
                     self.who[r] = json.loads(raw)
             ranks = [r for r in ranks if r in self.who]  # registered: their beat key exists
             values = self.store.multi_get([f"beat/{r}" for r in ranks]) if ranks else []
+            if self.rank != 0 and 0 not in self.exited and self.store.check(["exit/0"]):
+                self.exited.add(0)  # rank 0 ends on purpose: its store (if it hosts it) may go with it
         now = time.monotonic()
         for r, value in zip(ranks, values):
             if r not in self.seen or self.seen[r][0] != value:
@@ -226,12 +231,17 @@ class Heartbeat:
                              "others": [d for d, _ in dead[1:]], "seen_by": self.rank})
 
     def _exited(self, rank: int) -> bool:
-        with self._lock:
-            return bool(self.store.check([f"exit/{rank}"]))
+        if rank not in self.exited:
+            with self._lock:
+                if self.store.check([f"exit/{rank}"]):
+                    self.exited.add(rank)
+        return rank in self.exited
 
     def _store_gone(self, stale_s: float) -> dict | None:
         if time.monotonic() - self.store_failed_at < min(stale_s, QUICK_STALE_S):
             return None  # one failed call is not a verdict
+        if 0 in self.exited:
+            return None  # rank 0 said it ends (finished, or failed with its own error): not a death
         who = self.who.get(0) or {}
         launcher = "node 0's torchrun agent" if os.environ.get("TORCHELASTIC_RUN_ID") else "rank 0"
         self.verdict = {"rank": 0, **who, "step": self.step(), "seen_by": self.rank,

@@ -254,6 +254,13 @@ def peer_dead_message(exc: BaseException) -> str | None:
     return None if verdict is None else _peer_report(verdict)
 
 
+def ending_on_purpose(reason: str) -> None:
+    """Another part ends this rank (the hang watchdog): its peers must not report it as dead."""
+    if state.heartbeat is not None:
+        state.heartbeat.handled = True
+        state.heartbeat.mark_exit(reason)
+
+
 def _guard_sigterm() -> None:
     """Before Lightning records the handlers it restores after fit: SIGTERM acts as always
     (the default: end the process), except while this rank is failing, when it is held so the
