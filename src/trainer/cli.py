@@ -206,6 +206,10 @@ def run(cfg: Any) -> float | None:
         _record_crash(status, code, message or f"{type(e).__name__}: {e}", e)
         if message is None:
             raise
+        if status == "rank_died":
+            from src.trainer.liveness import ignore_sigterm_from_now
+
+            ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
         fail(message, code=code, every_rank=status == "rank_died" and _reported_a_death())
     value = metrics.get(cfg.get("optimized_metric"))
     return float(value) if isinstance(value, (int, float)) else None

@@ -261,6 +261,13 @@ def ending_on_purpose(reason: str) -> None:
         state.heartbeat.mark_exit(reason)
 
 
+def ignore_sigterm_from_now() -> None:
+    """The report is written and the rank exits now. Python puts SIGTERM back to its default while
+    it shuts down (not an ignored one), so a launcher's SIGTERM then would end it 'by SIGTERM'."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _guard_sigterm() -> None:
     """Before Lightning records the handlers it restores after fit: SIGTERM acts as always
     (the default: end the process), except while this rank is failing, when it is held so the
