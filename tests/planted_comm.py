@@ -79,3 +79,22 @@ def wandb_records(path) -> list:
             out.append(record)
             buf = b""
     return out
+
+
+class SigkillAtStep(Callback):
+    """Rank ``rank`` SIGKILLs itself at the start of step ``step`` (the OOM killer, a lost node).
+    Writes the time of the kill to ``stamp`` first, so a test can measure how long the rest
+    of the job takes to end."""
+
+    def __init__(self, rank: int = 1, step: int = 2, stamp: str | None = None) -> None:
+        self.rank, self.step, self.stamp = rank, step, stamp
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+            import signal
+
+            if self.stamp:
+                with open(self.stamp, "w") as f:
+                    f.write(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -58,7 +58,7 @@ def test_env_is_set_at_construction_and_restored_at_teardown(tmp_path, restore_e
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     cb = CommDebug(run_dir=str(tmp_path), distributed_debug="DETAIL", measure_comm=False, hang_timeout_s=0)
     assert os.environ["NCCL_DEBUG"] == "INFO" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
     import torch.distributed as dist
 
     assert dist.get_debug_level() == dist.DebugLevel.DETAIL  # re-read now, not only in the children
@@ -120,6 +120,7 @@ def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_pa
     run_dir = only_run_dir(tmp_path)
     hangs = [f for f in read_findings(run_dir) if f["code"] == "hang"]
     assert len(hangs) == 1, read_findings(run_dir)
+    assert not [f for f in read_findings(run_dir) if f["code"] == "rank_died"]  # exit 124 on purpose
     hang = hangs[0]
     assert hang["severity"] == "error" and hang["rank"] == 1 and hang["step"] == 2
     assert "rank 1 is behind" in hang["message"] and "planted_comm.py" in hang["message"], hang["message"]

@@ -3,17 +3,19 @@ rank's stacks, names the rank(s) that are behind and ends the job instead of let
 in a blocked collective until the process-group timeout (30 min by default).
 
 Side channel: a blocked collective blocks the training thread, not this one, so the ranks
-talk through small files in ``<run_dir>/comm_debug/`` (one heartbeat per rank, a flag file).
-That needs the run dir on a filesystem every rank sees (one node, or shared storage across
-nodes); without it each rank still detects its own stall and dumps its own stacks.
+talk through the rendezvous store (a connection of its own to the process group's store,
+``src/trainer/heartbeat.side_store``; one process: an in-memory store): one heartbeat key per
+rank, a ``flag`` key claimed with compare_set, a ``reported`` key. No shared filesystem is
+needed: across nodes with node-local run dirs every rank still joins the same report.
 
 Every rank runs one watchdog thread; it only reads state that the training thread updates
 (step, progress time) and the process-wide `CommTracker` (collectives entered / in flight).
 When a rank stalls for ``timeout_s`` (or sees another rank's flag) it: claims or sees the
 flag, writes a final heartbeat with where its training thread is, dumps all thread stacks
-to ``<run_dir>/hang_rank<r>.txt``; the first rank to claim the flag waits for the others'
-heartbeats, analyses them (`analyze`) and reports one finding; the launching rank of each
-node reaps its child processes; every rank exits with `HANG_EXIT_CODE`.
+to ``hang_rank<r>.txt`` and torch's flight recorder to ``flight_recorder/rank_<r>`` in its own
+run dir; the first rank to claim the flag waits for the others' heartbeats, analyses them
+(`analyze`) and reports one finding; the launching rank of each node reaps its child
+processes; every rank exits with `HANG_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -107,16 +109,24 @@ def where_is(thread: threading.Thread) -> dict[str, Any]:
     }
 
 
+def watchdog_store(fit: int) -> Any:
+    """The store the watchdogs of one fit share (keys under ``dsdebug/comm_debug/<fit>``)."""
+    import torch.distributed as dist
+
+    from src.trainer.heartbeat import side_store
+
+    return side_store(f"dsdebug/comm_debug/{fit}") or dist.HashStore()
+
+
 class HangWatchdog:
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, poll_s: float,
-                 tracker: Any, on_hang: Callable[[dict, dict[int, dict]], None], reap_children: bool) -> None:
-        self.run_dir, self.dir = Path(run_dir), Path(run_dir) / "comm_debug"
-        self.dir.mkdir(parents=True, exist_ok=True)
+                 tracker: Any, on_hang: Callable[[dict, dict[int, dict]], None], reap_children: bool,
+                 store: Any) -> None:
+        self.run_dir, self.store = Path(run_dir), store
         self.rank, self.world_size = rank, world_size
         self.timeout_s, self.poll_s = float(timeout_s), float(poll_s)
         self.grace_s = max(5.0, 3 * self.poll_s)
         self.tracker, self.on_hang, self.reap_children = tracker, on_hang, reap_children
-        self.flag, self.reported = self.dir / "hang.flag", self.dir / "hang.reported"
         self.step, self.progress_time = -1, time.time()
         self.fired = False
         self._stop = threading.Event()
@@ -147,14 +157,17 @@ class HangWatchdog:
         try:
             while not self._stop.wait(self.poll_s):
                 self._write_beat()
-                if time.time() - self.progress_time > self.timeout_s or self.flag.exists():
+                if time.time() - self.progress_time > self.timeout_s or self._has("flag"):
                     self._fire()
                     return
         except Exception:  # noqa: BLE001 - a broken watchdog must never take training down
             log.exception("comm_debug watchdog failed on rank %d; hang detection is off", self.rank)
 
-    def _beat_path(self, rank: int) -> Path:
-        return self.dir / f"heartbeat_rank{rank}.json"
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # noqa: BLE001 - the store's host is gone: this rank decides alone
+            return False
 
     def _write_beat(self, where: dict | None = None) -> None:
         tr, now = self.tracker, time.time()
@@ -165,53 +178,66 @@ class HangWatchdog:
                 "progress_time": self.progress_time, "now": now, "fired": where is not None,
                 "seq": tr.seq if tr else None, "last": tr.last if tr else None, "inflight": inflight,
                 "where": where}
-        tmp = self._beat_path(self.rank).with_suffix(".tmp")
-        tmp.write_text(json.dumps(beat, default=str))
-        os.replace(tmp, self._beat_path(self.rank))
+        try:
+            self.store.set(f"beat/{self.rank}", json.dumps(beat, default=str))
+        except Exception:  # noqa: BLE001
+            log.debug("comm_debug: heartbeat not written", exc_info=True)
 
     def read_beats(self) -> dict[int, dict]:
         beats = {}
         for r in range(self.world_size):
-            try:
-                beats[r] = json.loads(self._beat_path(r).read_text())
-            except (OSError, ValueError):
-                continue
+            if r == self.rank or self._has(f"beat/{r}"):
+                try:
+                    beats[r] = json.loads(self.store.get(f"beat/{r}"))
+                except Exception:  # noqa: BLE001
+                    continue
         return beats
 
     def _fire(self) -> None:
         self.fired = True
+        from src.trainer.liveness import ending_on_purpose
+
+        ending_on_purpose("hang watchdog")  # the ranks now exit 124 one by one: none of them "died"
         try:
             self._report(time.time() - self.progress_time)
         finally:  # whatever failed above, the job must not stay hung
             self._end()
 
-    def _report(self, stalled_s: float) -> None:
+    def _claim(self, key: str) -> bool:
         try:
-            fd = os.open(self.flag, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.write(fd, f"rank {self.rank} at {time.time()}\n".encode())
-            os.close(fd)
-            reporter = True
-        except FileExistsError:
-            reporter = False
+            return self.store.compare_set(key, "", str(self.rank)).decode() == str(self.rank)
+        except Exception:  # noqa: BLE001 - no store: report what this rank knows
+            return True
+
+    def _report(self, stalled_s: float) -> None:
+        first = self._claim("flag")  # the rank that noticed first: it makes sure someone reports
         where = where_is(self._training_thread)
         self._write_beat(where)
         self._dump(stalled_s, where)
-        if reporter:
+        reporter = False
+        if first or self.rank == 0:
             def everyone_fired() -> bool:
                 beats = self.read_beats()
                 return len(beats) == self.world_size and all(b.get("fired") for b in beats.values())
 
             self._wait(everyone_fired)
+            if self.rank != 0:  # rank 0 reports when its watchdog runs: its run dir holds the report
+                self._wait(lambda: self._has("reporter"))
+            reporter = self._claim("reporter")
+        if reporter:
             beats = self.read_beats()
             analysis = analyze(beats, self.world_size, time.time(), stale_s=3 * self.poll_s)
             analysis["stalled_s"], analysis["detected_by"] = round(stalled_s, 1), self.rank
             try:
                 self.on_hang(analysis, beats)
             finally:
-                self.reported.touch()
+                try:
+                    self.store.set("reported", "1")
+                except Exception:  # noqa: BLE001
+                    pass
         else:
             log.error("comm_debug: rank %d joined the hang report (stacks in hang_rank%d.txt)", self.rank, self.rank)
-            self._wait(self.reported.exists, factor=2)
+            self._wait(lambda: self._has("reported"), factor=4)
 
     def _wait(self, done: Callable[[], bool], factor: float = 1.0) -> None:
         deadline = time.time() + factor * self.grace_s
@@ -243,7 +269,9 @@ class HangWatchdog:
             f.write("\n".join(lines) + "\n\n--- faulthandler (all threads, innermost first) ---\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        _dump_nccl_flight_recorder(self.run_dir, self.rank)
+        from src.callbacks._flight_recorder import dump_flight_recorder
+
+        dump_flight_recorder(self.run_dir, self.rank)
 
     def _end(self) -> None:
         try:
@@ -268,18 +296,6 @@ class HangWatchdog:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(HANG_EXIT_CODE)
-
-
-def _dump_nccl_flight_recorder(run_dir: Path, rank: int) -> None:
-    """On CUDA builds: write the NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) too."""
-    try:
-        import torch
-
-        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if dump is not None and torch.cuda.is_available():
-            (run_dir / f"nccl_trace_rank{rank}.pkl").write_bytes(dump())
-    except Exception:  # noqa: BLE001 - best effort
-        log.debug("no NCCL flight recorder dump", exc_info=True)
 
 
 def _reap_children(grace_s: float) -> None:

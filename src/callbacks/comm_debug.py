@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from src.callbacks._flight_recorder import dump_path
 from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
 
@@ -263,12 +264,14 @@ class CommDebug(DebugCallback):
     Sets, on every rank before the process group exists (child ranks inherit and re-apply
     them; restored at teardown): ``NCCL_DEBUG`` (+ ``NCCL_DEBUG_SUBSYS``, per-process
     ``NCCL_DEBUG_FILE`` in the run dir), ``TORCH_DISTRIBUTED_DEBUG``,
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``TORCH_NCCL_BLOCKING_WAIT``, the NCCL flight recorder
-    ``TORCH_FR_BUFFER_SIZE`` + ``TORCH_NCCL_DUMP_ON_TIMEOUT`` + ``TORCH_FR_DUMP_TEMP_FILE``
-    (``<run_dir>/nccl_trace_rank<r>``; before torch 2.7: ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
-    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). The process-group timeout (``collective_timeout_s``)
-    is set on the live group at setup (Lightning creates it before any callback hook runs).
-    NCCL settings are inert on gloo; the watchdog and comm timing work on both.
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``TORCH_NCCL_BLOCKING_WAIT``, torch's flight recorder
+    ``TORCH_FR_BUFFER_SIZE`` (gloo and NCCL collectives) + ``TORCH_NCCL_DUMP_ON_TIMEOUT`` +
+    ``TORCH_FR_DUMP_TEMP_FILE`` (``<run_dir>/flight_recorder/rank_<r>``; before torch 2.7:
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). The process-group
+    timeout (``collective_timeout_s``) is set on the live group at setup (Lightning creates it
+    before any callback hook runs). NCCL settings are inert on gloo; the watchdog, the flight
+    recorder and comm timing work on both. The watchdogs talk through the rendezvous store, not
+    the filesystem: run dirs local to each node are fine (each rank dumps into its own).
 
     ``python train.py +callbacks=comm_debug strategy=zero3 trainer=ddp_sim callbacks.comm_debug.hang_timeout_s=120``
 
@@ -279,10 +282,11 @@ class CommDebug(DebugCallback):
     | ``settings`` (info) | the debug env and timeout in effect |
     | ``comm_summary`` (info) | mean comm share over the run |
     | ``ddp_hook_unavailable`` (info) | DDP comm time not measured: another comm hook is registered |
-    | ``hang`` (error) | no progress for ``hang_timeout_s``: names the rank(s) behind and where they are; stacks in ``hang_rank<r>.txt``; exit 124 |
+    | ``hang`` (error) | no progress for ``hang_timeout_s``: names the rank(s) behind and where they are; stacks in ``hang_rank<r>.txt``, collectives in ``flight_recorder/rank_<r>`` (``torchfrtrace``); exit 124 |
     """
 
     name = "comm_debug"
+    _fits = 0
 
     def __init__(self, run_dir: str | None = None, nccl_debug: str | None = "INFO", nccl_debug_subsys: str | None = None,
                  nccl_debug_file: bool = True, distributed_debug: str | None = "INFO",
@@ -330,8 +334,10 @@ class CommDebug(DebugCallback):
             "TORCH_NCCL_BLOCKING_WAIT": "1" if blocking else None,
             "TORCH_FR_BUFFER_SIZE": str(buffer) if buffer else None,  # was TORCH_NCCL_TRACE_BUFFER_SIZE
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if buffer and dump else None,
-            "TORCH_FR_DUMP_TEMP_FILE": str(self.run_dir / "nccl_trace_rank") if buffer and dump else None,
+            "TORCH_FR_DUMP_TEMP_FILE": str(dump_path(self.run_dir, "")) if buffer and dump else None,
         }
+        if want["TORCH_FR_DUMP_TEMP_FILE"]:  # NCCL's dump-on-timeout writes there, and needs the folder
+            dump_path(self.run_dir, "").parent.mkdir(parents=True, exist_ok=True)
         applied = {k: str(v) for k, v in want.items() if v is not None}
         self._env_before = {k: os.environ.get(k) for k in applied}  # restored at teardown
         os.environ.update(applied)
@@ -358,8 +364,6 @@ class CommDebug(DebugCallback):
             self.report(trainer, "info", "settings", f"communication debug settings for {trainer.world_size} rank(s)",
                         details={"env": self.env, "collective_timeout_s": self.collective_timeout_s,
                                  "hang_timeout_s": self.hang_timeout_s or None, "debug_level": level}, rank=None)
-            for stale in ("hang.flag", "hang.reported"):  # rank 0 only; the watchdogs start after the sanity check
-                (Path(trainer.default_root_dir) / "comm_debug" / stale).unlink(missing_ok=True)
         if self.measure_comm or self.hang_timeout_s:
             self.tracker, self.clock = CommTracker.acquire(), StepClock()
 
@@ -373,12 +377,13 @@ class CommDebug(DebugCallback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.hang_timeout_s:
-            from src.callbacks._watchdog import HangWatchdog
+            from src.callbacks._watchdog import HangWatchdog, watchdog_store
 
+            CommDebug._fits += 1  # every rank counts the same fits: one key space per fit in the store
             self.watchdog = HangWatchdog(
                 Path(trainer.default_root_dir), trainer.global_rank, trainer.world_size, self.hang_timeout_s,
                 self.hang_poll_s, self.tracker, lambda analysis, beats: self._report_hang(trainer, analysis, beats),
-                reap_children=trainer.local_rank == 0).start()
+                reap_children=trainer.local_rank == 0, store=watchdog_store(CommDebug._fits)).start()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.clock is not None:
@@ -442,14 +447,19 @@ class CommDebug(DebugCallback):
 
     # ---- watchdog thread, on the rank that claimed the hang flag -----------------------
     def _report_hang(self, trainer: Any, analysis: dict, beats: dict[int, dict]) -> None:
+        from src.callbacks._flight_recorder import DIR
         from src.callbacks._watchdog import HANG_EXIT_CODE, describe_hang
 
         culprits, steps = analysis["culprits"], {b.get("step") for b in beats.values()}
         self.report(
             trainer, "error", "hang", describe_hang(analysis, beats, self.hang_timeout_s),
             advice="read hang_rank<r>.txt in the run dir for every thread's stack; fix what keeps the named rank "
-                   "from reaching the collective (rank-conditional code, data/I/O stall); if the step is just slow "
-                   "(e.g. a big checkpoint), raise callbacks.comm_debug.hang_timeout_s",
+                   "from reaching the collective (rank-conditional code, data/I/O stall); the collectives each "
+                   "rank entered: `torchfrtrace <run_dir>/flight_recorder -p rank_` (copy every node's "
+                   "flight_recorder/ files into one folder first); if the step is just slow (e.g. a big "
+                   "checkpoint), raise callbacks.comm_debug.hang_timeout_s",
             details={**analysis, "heartbeats": beats, "dumps": [f"hang_rank{r}.txt" for r in sorted(beats)],
+                     "flight_recorder": [f"{DIR}/rank_{r}" for r in sorted(beats)] if self.env.get(
+                         "TORCH_FR_BUFFER_SIZE") else [],
                      "exit_code": HANG_EXIT_CODE},
             rank=culprits[0] if len(culprits) == 1 else None, step=min(steps) if len(steps) == 1 else None)

@@ -24,8 +24,8 @@ def _is_rank_zero() -> bool:
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    if _is_rank_zero():
+def fail(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
+    if every_rank or _is_rank_zero():
         print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -115,12 +115,21 @@ def _unsafe_pickle(exc: BaseException) -> str | None:
 
 def _dead_rank(exc: BaseException) -> str | None:
     """After an exception: did a rank die? Rank 0 polls its children, a child checks its
-    parent. If so, that is the story, not our traceback."""
+    parent (our launcher); under any launcher the store's heartbeats name the dead rank and its
+    host. If so, that is the story, not our traceback."""
     if "src.trainer.liveness" not in sys.modules:
         return None  # no rank was launched yet (e.g. a bad config caught by validate_config)
-    from src.trainer.liveness import dead_rank_message, parent_gone_message
+    from src.trainer.liveness import dead_rank_message, parent_gone_message, peer_dead_message
 
-    return dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
+    local = dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
+    return local or peer_dead_message(exc)
+
+
+def _reported_a_death() -> bool:
+    """This rank wrote the rank_died finding (e.g. rank 1 when rank 0 died): it says so too."""
+    from src.trainer.liveness import state
+
+    return bool(state.reported)
 
 
 def _classify(e: Exception) -> tuple[str, int, str | None]:
@@ -197,6 +206,10 @@ def run(cfg: Any) -> float | None:
         _record_crash(status, code, message or f"{type(e).__name__}: {e}", e)
         if message is None:
             raise
-        fail(message, code=code)
+        if status == "rank_died":
+            from src.trainer.liveness import ignore_sigterm_from_now
+
+            ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
+        fail(message, code=code, every_rank=status == "rank_died" and _reported_a_death())
     value = metrics.get(cfg.get("optimized_metric"))
     return float(value) if isinstance(value, (int, float)) else None

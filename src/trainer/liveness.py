@@ -12,16 +12,21 @@ node our launcher is the parent of every rank, so it can see a death directly:
   short grace, instead of living on as an orphan;
 - when rank 0 exits for any reason, it reaps its children (waits, then SIGTERM, then SIGKILL).
 
-Across nodes the launcher is not the parent; there the hang watchdog of ``comm_debug``
-(heartbeats on shared storage) and the process-group timeout apply.
+Under torchrun, srun or deepspeed no rank is the parent of another: there every rank heartbeats
+through the rendezvous store (``heartbeat.py``), and a survivor names the dead rank and its host.
+torchrun's agent SIGTERMs the surviving workers of a node at once when one dies; a SIGTERM that
+arrives while this rank is already failing is held (``_guard_sigterm``) until the finding is
+written, instead of killing the rank mid-report or starting a preemption checkpoint.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +48,9 @@ class _State:
     dead: dict[int, int] = {}  # rank -> returncode, as seen by rank 0
     finishing = False  # rank 0 is done with fit: children exiting now is expected
     parent_reported = False  # a child rank reported its parent's death
+    failing = False  # this rank is handling an exception: a SIGTERM now is held (_guard_sigterm)
+    heartbeat: Any = None  # heartbeat.Heartbeat, in multi-rank fits
+    reported: set[int] = set()  # ranks whose death this process reported
 
 
 state = _State()
@@ -59,13 +67,22 @@ def _describe(returncode: int) -> str:
 def _report(rank: int, message: str, details: dict[str, Any]) -> None:
     from src.findings import Finding, get_channel
 
+    if rank in state.reported:
+        return
+    state.reported.add(rank)
+    host = details.get("host") or "its host"
     get_channel().report(Finding(
         check="liveness", severity="error", code="rank_died", rank=rank, step=state.step,
         message=message,
         advice="the other ranks were stopped instead of waiting for the collective timeout; read "
-               f"rank{rank}.log (its last lines) and the kernel log; resume with resume=latest",
+               f"rank {rank}'s log (its last lines) and the kernel log on {host} (`dmesg`, `journalctl -k`: "
+               "the OOM killer); resume with resume=latest",
         details=details,
     ))
+
+
+def _child_message(rank: int, pid: int, returncode: int) -> str:
+    return f"rank {rank} (host {socket.gethostname()}, pid {pid}) {_describe(returncode)} at step {state.step}"
 
 
 def _hard_exit(reason: str) -> None:
@@ -88,8 +105,8 @@ def watch_children(procs: list[tuple[int, subprocess.Popen]], grace_s: float = 2
                 if rc is None or rc == 0 or rank in state.dead or state.finishing:
                     continue
                 state.dead[rank] = rc
-                message = f"rank {rank} (pid {proc.pid}) {_describe(rc)} at step {state.step}"
-                _report(rank, message, {"pid": proc.pid, "returncode": rc})
+                message = _child_message(rank, proc.pid, rc)
+                _report(rank, message, {"pid": proc.pid, "host": socket.gethostname(), "returncode": rc})
                 time.sleep(grace_s)  # the main thread usually fails first (gloo: at once)
                 _hard_exit(f"{message}; stopped the other ranks after {grace_s:.0f} s")
             if state.procs and all(p.poll() is not None for _, p in state.procs) and not state.dead:
@@ -105,11 +122,11 @@ def dead_rank_message(wait_s: float = 2.0) -> str | None:
         for rank, proc in state.procs:
             rc = proc.poll()
             if rc not in (None, 0):
+                message = _child_message(rank, proc.pid, rc)
                 if rank not in state.dead:
                     state.dead[rank] = rc
-                    message = f"rank {rank} (pid {proc.pid}) {_describe(rc)} at step {state.step}"
-                    _report(rank, message, {"pid": proc.pid, "returncode": rc})
-                return f"rank {rank} (pid {proc.pid}) {_describe(rc)} at step {state.step}"
+                    _report(rank, message, {"pid": proc.pid, "host": socket.gethostname(), "returncode": rc})
+                return message
         if time.time() >= deadline or not state.procs:
             return None
         time.sleep(0.1)
@@ -181,9 +198,114 @@ def parent_gone_message(wait_s: float = 0.0) -> str | None:
     return message
 
 
+# ------------------------------------------------- any launcher: the store's heartbeats
+FIND_WAIT_S = 10.0  # after a failed collective: how long to look for the rank that died
+PEER_GRACE_S = 10.0  # after the heartbeat thread's own verdict: the main thread's turn to fail first
+SIGTERM_HOLD_S = 20.0  # a held SIGTERM ends the rank after this at the latest (torchrun SIGKILLs at 30 s)
+
+
+def _peer_report(verdict: dict) -> str:
+    from src.trainer.heartbeat import describe
+
+    message = describe(verdict)
+    if state.heartbeat is not None and state.heartbeat.claimed(verdict):
+        keys = ("host", "pid", "node", "local_rank", "last_beat_step", "seen_by", "others")
+        details = {k: verdict.get(k) for k in keys}
+        _report(int(verdict["rank"]), message, details)
+    return message
+
+
+def _on_peer_dead(verdict: dict) -> None:
+    """Heartbeat thread: a peer died and the main thread has not noticed (a collective that
+    never returns): report, give the main thread its chance, then end this rank."""
+    message = _peer_report(verdict)
+    deadline = time.time() + PEER_GRACE_S
+    while time.time() < deadline or (state.failing and time.time() < deadline + SIGTERM_HOLD_S):
+        time.sleep(0.2)  # when the main thread is failing, it exits on its own with the full story
+    if state.heartbeat.rank == 0:
+        _leave_crash_record(message)
+    _hard_exit(f"{message}; rank {state.heartbeat.rank} stopped too")
+
+
+def _leave_crash_record(message: str) -> None:
+    """Rank 0 ends from this thread: leave crash.json and the report, as the main thread would."""
+    from src.findings import get_channel
+
+    try:
+        run_dir = get_channel().path.parent
+        crash = {"status": "rank_died", "exit_code": 1, "error": message, "exception": "RankDied"}
+        (run_dir / "crash.json").write_text(json.dumps(crash, indent=1))
+        from src.report.finish import finish_run
+
+        finish_run(run_dir)
+    except Exception:  # noqa: BLE001 - never in the way of ending the rank
+        log.debug("no crash record", exc_info=True)
+
+
+def peer_dead_message(exc: BaseException) -> str | None:
+    """Main thread, after an exception in a multi-rank fit: the rank that died, if one did."""
+    hb = state.heartbeat
+    if hb is None:
+        return None
+    from src.trainer.heartbeat import looks_like_comm_failure
+
+    state.failing = True
+    verdict = hb.find_dead(FIND_WAIT_S if looks_like_comm_failure(exc) else 0.0)
+    return None if verdict is None else _peer_report(verdict)
+
+
+def ending_on_purpose(reason: str) -> None:
+    """Another part ends this rank (the hang watchdog): its peers must not report it as dead."""
+    if state.heartbeat is not None:
+        state.heartbeat.handled = True
+        state.heartbeat.mark_exit(reason)
+
+
+def ignore_sigterm_from_now() -> None:
+    """The report is written and the rank exits now. Python puts SIGTERM back to its default while
+    it shuts down (not an ignored one), so a launcher's SIGTERM then would end it 'by SIGTERM'."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _guard_sigterm() -> None:
+    """Before Lightning records the handlers it restores after fit: SIGTERM acts as always
+    (the default: end the process), except while this rank is failing, when it is held so the
+    survivor can still name the dead rank; the hold ends after SIGTERM_HOLD_S at the latest."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return  # someone else's handler (a test harness, an outer framework): leave it
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if not state.failing:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        log.warning("SIGTERM received while this rank is stopping after a failure: finishing the report first")
+        timer = threading.Timer(SIGTERM_HOLD_S, lambda: os._exit(128 + signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class LivenessCallback(Callback):
-    """Keeps the step for the findings (and the start step for throughput) and marks the end of
-    fit (children may exit now)."""
+    """Keeps the step for the findings (and the start step for throughput), marks the end of
+    fit (children may exit now), and in multi-rank fits runs this rank's store heartbeat."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or trainer.world_size < 2 or state.heartbeat is not None:
+            return
+        from src.trainer.heartbeat import PREFIX, Heartbeat, side_store
+
+        store = side_store(PREFIX)
+        if store is None:
+            return
+        _guard_sigterm()
+        identity = {"node": trainer.node_rank, "local_rank": trainer.local_rank}
+        state.heartbeat = Heartbeat(store, trainer.global_rank, trainer.world_size, identity,
+                                    step=lambda: state.step, on_dead=_on_peer_dead).start()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         state.start_step = trainer.global_step
@@ -191,5 +313,16 @@ class LivenessCallback(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         state.step = trainer.global_step
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        state.failing = True  # before Lightning's teardown puts _guard_sigterm's handler back
+        if state.heartbeat is not None:
+            from src.trainer.heartbeat import looks_like_comm_failure
+
+            state.heartbeat.mark_exit(f"failed: {type(exception).__name__}: {exception}",
+                                      first_failure=not looks_like_comm_failure(exception))
+
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         state.finishing = True
+        if state.heartbeat is not None:
+            state.heartbeat.stop("finished")
+            state.heartbeat = None
