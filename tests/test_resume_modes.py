@@ -3,6 +3,7 @@ against the run that wrote it. Real checkpoint files with real manifests; no tra
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import time
@@ -135,3 +136,44 @@ def test_same_experiment_is_silent_and_where_keys_and_other_trainer_keys_are_not
 def test_a_key_on_one_side_only_is_a_difference():
     diffs = config_differences({"model": {"net": {"a": 1}}}, {"model": {"net": {"a": 1, "b": 2}}})
     assert diffs == {"model.net.b": ("<absent>", 2)}
+
+
+def test_in_place_keeps_rows_before_the_checkpoint_step_and_the_same_logger_dirs(tmp_path):
+    """A crashed attempt logged steps 0-5, its newest checkpoint is step 3: the next attempt keeps
+    rows 0-2 (CSV, history), the TensorBoard version and W&B id, and moves the last end aside."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from src.trainer.resume import prepare_loggers, settle_run_dir
+
+    run = tmp_path / "run"
+    ckpt = _ckpt(run, 3, 0)
+    old = CSVLogger(str(run), name="csv", version="")
+    for step in range(6):
+        old.log_metrics({"train/loss": float(step)}, step=step)
+    old.save()
+    (run / "history.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": s}) + "\n" for s in range(6)))
+    (run / "crash.json").write_text("{}")
+    (run / "metrics.json").write_text('{"status": "crashed"}')
+    (run / "tensorboard" / "version_0").mkdir(parents=True)
+    (run / "wandb_run_id").write_text("abc123\n")
+    cfg = OmegaConf.create({"logger": {
+        "tensorboard": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "save_dir": str(run / "tensorboard"),
+                        "name": None, "version": None},
+        "wandb": {"_target_": "lightning.pytorch.loggers.wandb.WandbLogger"}}})
+    OmegaConf.set_struct(cfg, True)
+
+    assert prepare_loggers(cfg, str(ckpt), run) == 3
+    assert cfg.logger.tensorboard.version == 0 and cfg.logger.tensorboard.purge_step == 3
+    assert cfg.logger.wandb.id == "abc123"
+    assert prepare_loggers(OmegaConf.create({"logger": {}}), str(_ckpt(tmp_path / "elsewhere", 3, 0)), run) is None
+
+    new = CSVLogger(str(run), name="csv", version="")
+    settle_run_dir([new], run, 3)
+    new.log_metrics({"train/loss": 30.0, "val/loss": 7.0}, step=3)
+    new.save()
+    with open(run / "csv" / "metrics.csv") as f:
+        rows = [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f)]
+    assert rows == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [json.loads(line)["step"] for line in (run / "history.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert sorted(p.name for p in (run / "attempts" / "1").iterdir()) == ["crash.json", "metrics.json"]
+    assert not (run / "crash.json").exists() and not (run / "metrics.json").exists()

@@ -40,12 +40,13 @@ import csv
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.trainer.integrity import CheckpointError, read_manifest
+from src.trainer.integrity import CheckpointError, has_manifest, read_manifest
 from src.trainer.secrets import redact
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,8 @@ def check_resume_config(cfg: DictConfig, ckpt: str | None) -> None:
 # --------------------------------------------------------------------------- in place
 def in_place_step(ckpt: str | None, output_dir: Path) -> int | None:
     """The checkpoint's global step when it lies in this run dir (the run continues in place)."""
-    if ckpt is None or Path(output_dir).resolve() not in Path(ckpt).resolve().parents:
-        return None
+    if ckpt is None or Path(output_dir).resolve() not in Path(ckpt).resolve().parents or not has_manifest(Path(ckpt)):
+        return None  # (a checkpoint without a manifest does not say its step)
     return int(read_manifest(Path(ckpt)).get("global_step") or 0)
 
 
@@ -226,13 +227,16 @@ def _continue_csv(logger: Any, step: int) -> None:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         header, rows = list(reader.fieldnames or []), [r for r in reader if _csv_step(r) < step]
-    writer = logger.experiment  # Lightning's _ExperimentWriter deletes an existing metrics.csv here
+    with warnings.catch_warnings():  # "Previous log files ... will be deleted": not here, they are put back
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        writer = logger.experiment  # Lightning's _ExperimentWriter deletes an existing metrics.csv here
     keys = sorted(header)  # the order Lightning writes
     with open(path, "w", newline="") as f:
         out = csv.DictWriter(f, fieldnames=keys)
         out.writeheader()
         out.writerows(rows)
     writer.metrics_keys = keys  # later rows append under this header (or rewrite it with new keys)
+    log.info("resume: %s keeps its %d rows before step %d", path, len(rows), step)
 
 
 def _csv_step(row: dict[str, str]) -> float:
