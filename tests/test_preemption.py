@@ -1,14 +1,20 @@
 """Preemption: SIGTERM (rank 0) or SIGUSR1 (one child rank) -> checkpoint at the next step boundary,
-exit 0; `resume=latest` continues, and interrupted + resumed equals uninterrupted bit for bit."""
+exit 0; the same command again with `resume=auto` (a SLURM requeue) continues in its own run dir, and
+interrupted + resumed equals uninterrupted bit for bit. (`resume=latest` from a new run dir:
+tests/test_train_single.py, tests/test_ckpt_integrity.py; the choice of checkpoint:
+tests/test_resume_modes.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
+import time
 
 import pytest
 
-from tests.conftest import FAST, assert_ok, metrics, only_run_dir, run_dirs, run_train, train_losses
+from tests.conftest import FAST, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
 from tests.procs import output, rank_pids, start_train, wait_for
 
 ARGS = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
@@ -22,14 +28,29 @@ ARGS = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_c
 ]
 
 
-def _preempt(log_dir, shared_cache, signum, rank):
-    proc = start_train(ARGS, log_dir, shared_cache)
+# A SLURM job requeued after USR1: the same command again, in the same run dir (explicit here; under
+# SLURM it derives from the job id), with every logger on (W&B offline)
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def _requeue_args(run_dir, resume="auto"):
+    return [a for a in ARGS if a != "logger=csv"] + ["logger=many", f"resume={resume}", f"hydra.run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, shared_cache):
+    """step -> train/loss of the run nobody interrupted (both resumes must match it bit for bit)."""
+    full_dir = tmp_path_factory.mktemp("uninterrupted")
+    assert_ok(run_train(ARGS, full_dir, shared_cache))
+    return train_losses(only_run_dir(full_dir))
+
+
+def _preempt(log_dir, shared_cache, signum, rank, args=ARGS, env=None):
+    proc = start_train(args, log_dir, shared_cache, env=env)
     pids = rank_pids(proc)
     # a periodic checkpoint at step 3 proves training is under way; signal right after
     wait_for(lambda: any(log_dir.glob("train/runs/*/checkpoints/step_000003.ckpt/manifest.json")), 240,
              "the step-3 checkpoint", proc)
-    import os
-
     os.kill(pids[rank], signum)
     rc = proc.wait(timeout=240)
     stdout, stderr = output(log_dir)
@@ -38,9 +59,15 @@ def _preempt(log_dir, shared_cache, signum, rank):
 
 
 @pytest.mark.parametrize("signame,rank", [("SIGTERM", 0), ("SIGUSR1", 1)])
-def test_signal_checkpoints_at_step_boundary_and_resume_is_bitwise(signame, rank, tmp_path_factory, shared_cache):
+def test_signal_checkpoints_at_step_boundary_and_resume_is_bitwise(signame, rank, tmp_path_factory, shared_cache,
+                                                                   request):
     log_dir = tmp_path_factory.mktemp(f"preempt_{signame}")
-    run_dir = _preempt(log_dir, shared_cache, getattr(signal, signame), rank)
+    requeue = _requeue_args(log_dir / "train" / "runs" / "requeued")
+    if signame == "SIGTERM":
+        run_dir = _preempt(log_dir, shared_cache, signal.SIGTERM, rank)
+    else:  # the first attempt of a requeued job: resume=auto in an empty run dir starts fresh
+        run_dir = _preempt(log_dir, shared_cache, signal.SIGUSR1, rank, args=requeue, env=WANDB_OFFLINE)
+        assert run_dir.name == "requeued" and metrics(run_dir)["resumed_from"] is None
     m = metrics(run_dir)
     assert m["status"] == "preempted"
     step = m["global_step"]
@@ -55,19 +82,42 @@ def test_signal_checkpoints_at_step_boundary_and_resume_is_bitwise(signame, rank
     assert len(pre) == 1 and pre[0]["step"] == step
     assert pre[0]["details"]["signal"] == (signame if rank == 0 else "a signal on another rank")
 
-    if signame != "SIGTERM":
-        return  # the resume is the same for both signals: checked once, below
-    # resume=latest continues from the preemption checkpoint, in a new run dir
-    assert_ok(run_train(ARGS + ["resume=latest"], log_dir, shared_cache))
-    resumed = [d for d in run_dirs(log_dir) if d != run_dir]
-    assert len(resumed) == 1
-    assert metrics(resumed[0])["resumed_from"].endswith(f"_{step:06d}.ckpt")
-    assert metrics(resumed[0])["global_step"] == 12
+    if signame == "SIGTERM":
+        return  # the resume is the same for both signals: checked once, in place, below
+    _requeue_in_place(log_dir, run_dir, ckpt, step, requeue, shared_cache, request.getfixturevalue("uninterrupted"))
 
-    # the uninterrupted run, step for step, bit for bit (CPU, reproducibility callback on)
-    full_dir = tmp_path_factory.mktemp("uninterrupted")
-    assert_ok(run_train(ARGS, full_dir, shared_cache))
-    full = train_losses(only_run_dir(full_dir))
-    first, second = train_losses(run_dir), train_losses(resumed[0])
-    assert sorted(first) == list(range(step)) and sorted(second) == list(range(step, 12))
-    assert {**first, **second} == full
+
+def _requeue_in_place(log_dir, run_dir, ckpt, step, requeue, shared_cache, uninterrupted):
+    # another run beside it with a NEWER checkpoint (a copy of this run's step 3): never taken
+    other = log_dir / "train" / "runs" / "other"
+    shutil.copytree(run_dir / "checkpoints" / "step_000003.ckpt", other / "checkpoints" / "step_000003.ckpt")
+    shutil.copy(run_dir / "config_resolved.yaml", other / "config_resolved.yaml")
+    future = time.time() + 60
+    os.utime(other / "checkpoints" / "step_000003.ckpt" / "manifest.json", (future, future))
+
+    # resume=latest in this run dir takes its own checkpoint, and a changed model is one line naming the key
+    changed = _requeue_args(run_dir, resume="latest") + ["model.net.num_hidden_layers=3"]
+    proc = run_train(changed, log_dir, shared_cache, env=WANDB_OFFLINE)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = error_lines(proc)
+    assert str(ckpt) in line and "model.net.num_hidden_layers (4 -> 3)" in line and str(other) not in line, line
+    assert "Traceback" not in proc.stderr
+    assert metrics(run_dir)["status"] == "preempted"  # the refused attempt changed nothing that was there
+
+    # the requeued job: the same command again continues in place, bit for bit
+    assert_ok(run_train(requeue, log_dir, shared_cache, env=WANDB_OFFLINE))
+    m = metrics(run_dir)
+    assert m["resumed_from"] == str(ckpt) and m["global_step"] == 12 and m["status"] == "completed"
+    assert train_losses(run_dir) == uninterrupted  # one metrics.csv: the first attempt's rows kept
+    assert json.loads((run_dir / "attempts" / "1" / "metrics.json").read_text())["status"] == "preempted"
+    # the same W&B run (offline: one dir per attempt, one id) and the same TensorBoard dir
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(d.name.endswith(f"-{run_id}") for d in offline), offline
+    tb = run_dir / "tensorboard"
+    assert not list(tb.glob("version_*")) and len(list(tb.glob("events.out.tfevents.*"))) == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert sorted(e.step for e in events.Scalars("train/loss")) == list(range(12))

@@ -55,12 +55,21 @@ def list_checkpoints(root: Path, exclude: Path | None = None) -> list[Path]:
     return sorted(found, key=lambda p: manifest_path(p).stat().st_mtime)
 
 
+RESUME_MODES = ("auto", "latest", "latest_valid")
+
+
 def resolve_ckpt_path(cfg: Any, output_dir: Path) -> str | None:
     """The checkpoint to resume from, verified against its manifest.
 
     ``ckpt_path=<path>``: that one (a checkpoint without a manifest, e.g. from another tool,
-    loads with a warning); ``resume=latest``: the newest with a manifest, which must verify;
-    ``resume=latest_valid``: the newest that verifies, each skipped one reported."""
+    loads with a warning). The resume modes look in this run dir first:
+
+    - ``resume=auto``: the newest checkpoint of *this* run dir that verifies; none = start fresh
+      (the same command can be requeued forever: SLURM requeue, Composer's autoresume);
+    - ``resume=latest``: this run dir's newest checkpoint when it has one, else the newest under
+      ``${paths.log_dir}/${task_name}/``; it must verify;
+    - ``resume=latest_valid``: the same places, the newest that verifies, each skipped one reported.
+    """
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser().resolve()
         if has_manifest(path):
@@ -76,15 +85,21 @@ def resolve_ckpt_path(cfg: Any, output_dir: Path) -> str | None:
             )
         return str(path)
     mode = cfg.get("resume")
-    if mode not in ("latest", "latest_valid"):
+    if mode not in RESUME_MODES:
         return None
-    root = Path(cfg.paths.log_dir) / cfg.task_name
-    candidates = list_checkpoints(root, exclude=output_dir)
+    # this run dir first: a requeued job continues its own run, never a newer one beside it
+    candidates, where = list_checkpoints(output_dir), f"this run dir {output_dir}"
+    if not candidates and mode == "auto":
+        log.info("resume=auto: no complete checkpoint in %s: starting fresh", output_dir / "checkpoints")
+        return None
     if not candidates:
-        raise CheckpointError(f"resume={mode}: no complete checkpoint under {root}; train first or pass ckpt_path=<path>")
+        root = Path(cfg.paths.log_dir) / cfg.task_name
+        candidates, where = list_checkpoints(root, exclude=output_dir), f"another run under {root}"
+        if not candidates:
+            raise CheckpointError(f"resume={mode}: no complete checkpoint under {root}; train first or pass ckpt_path=<path>")
     if mode == "latest":
         verify_checkpoint(candidates[-1])
-        log.info("resume=latest -> %s (verified)", candidates[-1])
+        log.info("resume=latest -> %s (verified; %s)", candidates[-1], where)
         return str(candidates[-1])
     for path in reversed(candidates):
         try:
@@ -92,9 +107,9 @@ def resolve_ckpt_path(cfg: Any, output_dir: Path) -> str | None:
         except CheckpointError as e:
             _report_skipped(path, e)
             continue
-        log.info("resume=latest_valid -> %s (verified)", path)
+        log.info("resume=%s -> %s (verified; %s)", mode, path, where)
         return str(path)
-    raise CheckpointError(f"resume=latest_valid: none of the {len(candidates)} checkpoints under {root} verifies")
+    raise CheckpointError(f"resume={mode}: none of the {len(candidates)} checkpoints in {where} verifies")
 
 
 def _report_skipped(path: Path, error: Exception) -> None:

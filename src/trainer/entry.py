@@ -34,6 +34,7 @@ from src.trainer.liveness import state as liveness_state
 from src.trainer.preemption import PreemptionCheckpoint
 from src.trainer.rank_files import RankFiles
 from src.trainer.reshard import enable_universal_loading, plan_resume
+from src.trainer.resume import check_resume_config, prepare_loggers, settle_run_dir
 from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 from src.trainer.optim import scaled_lr
 from src.trainer.secrets import redact
@@ -124,13 +125,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s
-    ckpt_path, universal = plan_resume(cfg, resolve_ckpt_path(cfg, output_dir), output_dir, world_size(cfg))
+    chosen = resolve_ckpt_path(cfg, output_dir)
+    ckpt_path, universal = plan_resume(cfg, chosen, output_dir, world_size(cfg))
+    resume_step = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt = build(cfg)
     if universal:
         enable_universal_loading(trainer.strategy)
     if rank_zero_only.rank == 0:
+        check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
         _print_header(cfg, output_dir)
+        settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
         _write_config(cfg, output_dir, trainer)
     # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
     # only, no code; DeepSpeed loads its own shards (weights_only=False inside DeepSpeed)

@@ -10,7 +10,8 @@ inside the signal handler (a collective that can interleave with one already in 
   got a signal, so they all stop at the same step even when only one was signalled;
 - then every rank saves ``checkpoints/preempt_step_<N>.ckpt`` (manifest + verify, see
   ``integrity.py``), a ``preempted`` finding names the signal and step, and fit ends;
-  ``train.py`` skips the exports and exits 0; ``resume=latest`` continues from that step.
+  ``train.py`` skips the exports and exits 0; the same command with ``resume=auto`` in the same
+  run dir (a requeued job) continues from that step, as does ``resume=latest``.
 
 The checkpoint also carries every rank's RNG state (python, numpy, torch, CUDA) so that a resumed
 run draws the same random numbers (dropout, sampling) as the uninterrupted one.
@@ -105,7 +106,8 @@ class PreemptionCheckpoint(Callback):
             get_channel().report(Finding(
                 check="preemption", severity="warning", code="preempted",
                 message=f"{name} received; saved {self.path.name} at step {step} and stopped",
-                advice="resume with resume=latest (same paths.log_dir and task_name)",
+                advice="run the same command with resume=auto in this run dir (hydra.run.dir=<it>; SLURM requeue: "
+                       "examples/slurm/train.sbatch), or resume=latest",
                 step=step, details={"signal": name, "checkpoint": str(self.path)},
             ))
         trainer.should_stop = True

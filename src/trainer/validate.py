@@ -83,8 +83,9 @@ def validate_config(cfg: DictConfig) -> None:
             "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
         )
     resume = cfg.get("resume")
-    if resume not in (None, "latest", "latest_valid"):
-        raise ConfigError(f"resume={resume!r} is invalid; valid: null, latest, latest_valid (or use ckpt_path=<path>)")
+    if resume not in (None, "auto", "latest", "latest_valid"):
+        raise ConfigError(
+            f"resume={resume!r} is invalid; valid: null, auto, latest, latest_valid (or use ckpt_path=<path>)")
     if cfg.get("ckpt_path") and resume:
         raise ConfigError(f"give either ckpt_path=<path> or resume={resume}, not both")
     if cfg.get("ckpt_path"):
