@@ -1,18 +1,18 @@
 """Sweeps through Hydra's submitit launchers (src/trainer/submitit_job.py): a submitit_local multirun
-(one job preempted, checkpointed and requeued by submitit), the sbatch script submitit_slurm submits
-(rendered by the real launcher, caught by a fake ``sbatch``), and the job shapes refused before
-anything is submitted."""
+(one job preempted, checkpointed and requeued by submitit; W&B offline groups the jobs), the sbatch
+script submitit_slurm submits (rendered by the real launcher, caught by a stand-in ``sbatch``), a
+2-task SLURM job run by stand-in sbatch/srun as one 2-rank run, and the job shapes refused in one
+line before anything is submitted."""
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 
 import pytest
 
 from src.trainer.cli import precheck_overrides
+from tests import fake_slurm
 from tests.conftest import CONF, FAST, TINY_NET, assert_ok, run_train
 from tests.planted_comm import read_findings, wandb_records
 
@@ -70,23 +70,10 @@ def test_submitit_local_sweep_with_a_preempted_and_requeued_job(tmp_path, shared
     assert names == {"0": {f"train-{sweep.name}-0"}, "1": {f"train-{sweep.name}-1"}}, names
 
 
-def _fake_slurm(tmp_path: Path) -> tuple[dict, Path]:
-    """``sbatch`` that keeps the script it is given and refuses it; ``srun`` that submitit only looks for."""
-    bin_dir, caught = tmp_path / "bin", tmp_path / "sbatch_scripts"
-    bin_dir.mkdir()
-    caught.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$FAKE_SBATCH_DIR/"\necho "sbatch: error: no cluster here" >&2\nexit 1\n')
-    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
-    for tool in ("sbatch", "srun"):
-        (bin_dir / tool).chmod(stat.S_IRWXU)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SBATCH_DIR": str(caught)}
-    return env, caught
-
-
 def test_submitit_slurm_submits_one_job_array_of_multi_process_jobs(tmp_path, shared_cache):
     # seed 002's sweep: 3 learning rates, concurrent: 3 -> one array of 4 jobs, 3 at a time; each
     # job 2 nodes x 2 processes (its SLURM tasks are the ranks of one run)
-    env, caught = _fake_slurm(tmp_path)
+    env, caught = fake_slurm.install(tmp_path)  # sbatch keeps the script and refuses it
     args = ["-m", "hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=30",
             "trainer.devices=2", "trainer.num_nodes=2", "optim.lr=1e-4,5e-5,1e-5,2e-5"]
     proc = run_train(args, tmp_path / "logs", shared_cache, timeout=300, env=env)
@@ -94,7 +81,7 @@ def test_submitit_slurm_submits_one_job_array_of_multi_process_jobs(tmp_path, sh
     scripts = list(caught.glob("*.sh"))
     assert len(scripts) == 1, "one sbatch call for the whole sweep"
     text = scripts[0].read_text()
-    flags = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines() if line.startswith("#SBATCH --"))
+    flags = fake_slurm.sbatch_flags(text)
     expected = {"array": "0-3%3", "nodes": "2", "ntasks-per-node": "2", "partition": "debug", "time": "30",
                 "signal": "USR2@90", "job-name": "train"}
     assert {k: flags.get(k) for k in expected} == expected, flags
@@ -122,6 +109,28 @@ def test_job_shapes_the_launcher_cannot_run_are_one_line_before_submission(overr
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+@pytest.mark.slow
+def test_the_tasks_of_a_slurm_job_are_the_ranks_of_one_run(tmp_path, shared_cache):
+    # submitit_slurm on a stand-in sbatch/srun that run the job here: srun starts the job's 2 tasks
+    # (submitit processes), each starts train.py with its SLURM_PROCID; Lightning's SLURM environment
+    # makes them ranks 0 and 1 of ONE run, in the job's dir
+    env, caught = fake_slurm.install(tmp_path, run=True)
+    args = ["-m", "hydra/launcher=slurm", "trainer=ddp_sim", "optim.lr=1e-3",
+            *[a for a in JOB if a != "logger=wandb"], "logger=csv", "trainer.max_steps=3", "trainer.val_check_interval=3"]
+    proc = run_train(args, tmp_path / "logs", shared_cache, timeout=600, env=env)
+    assert_ok(proc)
+    flags = fake_slurm.sbatch_flags(next(caught.glob("*.sh")).read_text())
+    assert (flags["ntasks-per-node"], flags["nodes"]) == ("2", "1"), flags
+    sweep = _sweep_dir(tmp_path / "logs")
+    assert [p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]
+    job = sweep / "0"
+    m = json.loads((job / "metrics.json").read_text())
+    assert (m["status"], m["world_size"], m["global_step"]) == ("completed", 2, 3)
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in (job / "rank1.log").read_text()  # the second task, in the same dir
+    status = json.loads((job / "job_status.json").read_text())
+    assert status["status"] == "completed" and len(list((sweep / ".submitit" / status["job_id"]).glob("*_result.pkl"))) == 2
 
 
 def test_shapes_that_fit_pass(capsys):
