@@ -117,7 +117,7 @@ def test_the_tasks_of_a_slurm_job_are_the_ranks_of_one_run(tmp_path, shared_cach
     # (submitit processes), each starts train.py with its SLURM_PROCID; Lightning's SLURM environment
     # makes them ranks 0 and 1 of ONE run, in the job's dir
     env, caught = fake_slurm.install(tmp_path, run=True)
-    args = ["-m", "hydra/launcher=slurm", "trainer=ddp_sim", "optim.lr=1e-3",
+    args = ["-m", "hydra/launcher=slurm", "trainer=ddp_sim", "strategy=ddp", "optim.lr=1e-3",
             *[a for a in JOB if a != "logger=wandb"], "logger=csv", "trainer.max_steps=3", "trainer.val_check_interval=3"]
     proc = run_train(args, tmp_path / "logs", shared_cache, timeout=600, env=env)
     assert_ok(proc)
