@@ -21,7 +21,7 @@ from src.trainer.cli import precheck_overrides, run  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg):
-    return run(cfg)
+    return run(cfg, script=__file__)  # a submitit job runs this function, pickled, under its own argv
 
 
 if __name__ == "__main__":

@@ -43,6 +43,11 @@ def test_config_file_composes(path: Path):
         cfg = _compose([])
         assert cfg.hydra.run.dir
         return
+    if group.startswith("hydra/"):  # a preset for a Hydra plugin (hydra/launcher=slurm): it resolves
+        cfg = _compose([f"{group}={option}"])
+        assert cfg.hydra.runtime.choices[group] == option
+        OmegaConf.to_container(OmegaConf.select(cfg, group.replace("/", ".")), resolve=True)
+        return
     prefix = "+" if group == "callbacks" else ""  # callbacks are added: +callbacks=<name>
     cfg = _compose([f"{prefix}{group}={option}"])
     assert cfg.hydra.runtime.choices[group] == option

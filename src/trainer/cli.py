@@ -54,8 +54,12 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
                 jobs = [[o.input_line for o in parsed if not o.is_sweep_override()]]
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir), version_base="1.3"):
-            for job in jobs:
-                compose(config_name, overrides=list(job), return_hydra_config=True)
+            composed = [compose(config_name, overrides=list(job), return_hydra_config=True) for job in jobs]
+            from src.trainer.submitit_job import check_sweep, launcher_kind
+
+            if multirun and launcher_kind(composed[0].hydra):  # each job's ranks vs the SLURM tasks asked for
+                master = [o.input_line for o in parsed if not o.is_sweep_override()]  # what the launcher is built from
+                check_sweep(compose(config_name, overrides=master, return_hydra_config=True), composed)
     except Exception as e:  # noqa: BLE001 - any composition failure is bad input
         fail(_flatten_hydra_error(e))
     finally:
@@ -181,15 +185,16 @@ def _record_crash(status: str, code: int, error: str, exc: BaseException) -> Non
         finish_run(run_dir)
 
 
-def run(cfg: Any) -> float | None:
-    """The Hydra task function: a multirun job is run in its own process tree."""
+def run(cfg: Any, script: str | None = None) -> float | None:
+    """The Hydra task function: a multirun job is run in its own process tree (``script``: the
+    entry point to run it with; a submitit job process has submitit's argv)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         from src.trainer.sweep import run_job_in_subprocess
 
-        return run_job_in_subprocess(cfg)
+        return run_job_in_subprocess(cfg, script)
     from src.trainer.validate import validate_config
 
     _single_log_handler()

@@ -7,6 +7,10 @@ port survives into the next job, a crashing job cannot take the sweep down, and 
 ever creates an output dir of its own. The job's metric comes back through
 ``metrics.json`` (what Optuna optimizes). `SweepSummary` prints one table at the end and
 makes the sweep exit non-zero if any job failed.
+
+Under Hydra's submitit launchers the same function runs inside each submitit job process (every
+SLURM task of the job); src/trainer/submitit_job.py says what runs where and how preemption,
+submitit's requeue and the training's checkpoint take turns.
 """
 
 from __future__ import annotations
@@ -29,36 +33,61 @@ JOB_STATUS = "job_status.json"
 METRICS = "metrics.json"
 
 
-def run_job_in_subprocess(cfg: DictConfig) -> float:
-    """Called in the Hydra multirun process for one job; returns the optimized metric."""
+def run_job_in_subprocess(cfg: DictConfig, script: str | None = None) -> float:
+    """Called in the Hydra multirun process (or a submitit job) for one job; returns the
+    optimized metric. ``script``: the entry point (a submitit job's argv is submitit's)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd
 
+    from src.trainer import submitit_job
+
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir)
-    script = Path(get_original_cwd(), sys.argv[0]).resolve()
-    command = [sys.executable, str(script), *hc.overrides.task, f'hydra.run.dir="{job_dir}"', "hydra.mode=RUN"]
-    log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
+    script = str(Path(get_original_cwd(), script or sys.argv[0]).resolve())
+    command = [sys.executable, script, *hc.overrides.task, f'hydra.run.dir="{job_dir}"', "hydra.mode=RUN"]
+    job = submitit_job.current_job()
+    rank = job.global_rank if job is not None else 0
+    if job is not None:
+        command += submitit_job.child_overrides(cfg, rank)
+    if rank == 0:
+        log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     # W&B groups the jobs of one sweep (log_sync.fill_wandb_sweep_identity); Optuna writes no multirun.yaml
     env["DSDEBUG_SWEEP_DIR"] = str(job_dir.parent)
     env["DSDEBUG_JOB_NUM"] = str(hc.job.num)
-    proc = subprocess.run(command, cwd=get_original_cwd(), env=env)
+    if job is None:
+        returncode = subprocess.run(command, cwd=get_original_cwd(), env=env).returncode
+    else:
+        signals = submitit_job.JobSignals()
+        with signals:
+            signals.proc = subprocess.Popen(command, cwd=get_original_cwd(), env=env)
+            returncode = signals.proc.wait()
+    if rank != 0:
+        return float("nan")  # the job's first task reports for all its ranks
     metrics = _read_json(job_dir / METRICS)
     metric_name = cfg.get("optimized_metric")
     value = metrics.get(metric_name) if metric_name else None
     status = {
         "job": hc.job.num,
         "overrides": list(hc.overrides.task),
-        "returncode": proc.returncode,
-        "status": "completed" if proc.returncode == 0 else "failed",
+        "returncode": returncode,
+        "status": "completed" if returncode == 0 else "failed",
         "metric": metric_name,
         "value": value,
         "dir": str(job_dir),
     }
+    if job is not None:
+        status["job_id"] = str(job.job_id)
+        if returncode == 0 and metrics.get("status") == "preempted":
+            status["status"] = "preempted"  # stays so only if submitit does not requeue the job
+            (job_dir / JOB_STATUS).write_text(json.dumps(status, indent=2))
+            reason = signals.requeue()  # requeued: this process ends here
+            status["requeue"] = f"not requeued: {reason or 'unknown'}"
+            log.error("job %s preempted, %s", hc.job.num, status["requeue"])
     (job_dir / JOB_STATUS).write_text(json.dumps(status, indent=2))
-    if proc.returncode != 0:
-        log.error("job %s failed with exit code %s; see %s", hc.job.num, proc.returncode, job_dir)
+    if status["status"] != "completed":
+        if status["status"] == "failed":
+            log.error("job %s failed with exit code %s; see %s", hc.job.num, returncode, job_dir)
         return float("nan")
     return float(value) if isinstance(value, (int, float)) else float("nan")
 
