@@ -91,7 +91,7 @@ def agree(argv: list[str]) -> list[str]:
             name = _agreed_via_store(world, datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f"))
         if name is not None:
             os.environ[ENV_RUN_ID] = name
-    if world.rank != 0:
+    if world.rank != 0 and not any(a.startswith("hydra.job.name=") for a in argv):  # a sweep job names its own
         argv = [*argv, "hydra.output_subdir=null", f"hydra.job.name=rank{world.rank}"]
     return argv
 
