@@ -111,8 +111,8 @@ def test_timeline_covers_both_nodes_and_log_lines_carry_the_host(two_nodes):
     merged = (root / "node0" / "logs_merged.log").read_text().splitlines()
     assert any(f" [rank 1] [{HOST}] " in line for line in merged)
     assert any(f" [rank 0] [{HOST}] " in line for line in merged)
-    for node in ("node0", "node1"):
-        lines = (root / node / "train.log").read_text().splitlines()
+    for node, log in (("node0", "train.log"), ("node1", "rank1.log")):  # rank r > 0 logs to rank<r>.log
+        lines = (root / node / log).read_text().splitlines()
         assert lines and all(line.startswith("[") and f"][{HOST}][" in line for line in lines if line[:2] == "[2")
 
 
