@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from src.trainer.liveness import ENV_PARENT, watch_children
+from src.trainer.liveness import state as liveness_state
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,22 @@ def hydra_child_command(local_rank: int) -> tuple[list[str], str | None]:
 
 class HydraAwareLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher, with child commands built from the Hydra job."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Lightning's ``launch`` without its ``_ChildProcessObserver``: that thread SIGKILLs rank 0
+        within 5 s of a child's death, before rank 0 can name the dead rank (error line, finding);
+        ``watch_children`` (liveness.py) watches the children instead and ends the job itself."""
+        from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            if self.procs and not liveness_state.procs:  # not under Hydra: Lightning's own children, its observer
+                from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
+
+                _launch_process_observer(self.procs)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
     def _call_children_scripts(self) -> None:
         from hydra.core.hydra_config import HydraConfig
