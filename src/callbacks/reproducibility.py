@@ -163,7 +163,7 @@ class Reproducibility(DebugCallback):
         self._record: list[tuple[str, Any]] | None = None
         self._names: dict[int, str] = {}
         self._compared = 0
-        self._diverged = False
+        self._diverged = self._some_rank_diverged = False
         self._seen_ops: set[str] = set()
         self._trainer = None
         self._orig_showwarning = None
@@ -352,10 +352,12 @@ class Reproducibility(DebugCallback):
     def _compare(self, trainer: Any, replay: list, real: list, step: int) -> None:
         self._compared += 1
         found = self._first_difference(replay, real)
+        ranks = self._ranks_differing(trainer, found is not None)  # COLLECTIVE: every rank replays the same steps
+        self._some_rank_diverged = self._some_rank_diverged or bool(ranks)
         if found is not None and not self._diverged:  # the first divergence names the culprit; once per rank
             self._diverged = True
-            self._diverge(trainer, step, *found, total=len(real))
-        elif self._compared == self.replay_steps and not self._diverged and trainer.global_rank == 0:
+            self._diverge(trainer, step, *found, total=len(real), ranks=ranks)
+        elif self._compared == self.replay_steps and not self._some_rank_diverged and trainer.global_rank == 0:
             self.report(trainer, "info", "replay_ok",
                         f"replayed the first {self.replay_steps} step(s) on every rank; on rank 0 all {len(real)} "
                         "module outputs per step matched bit for bit (a rank that diverged reports it)", rank=None)
@@ -379,14 +381,30 @@ class Reproducibility(DebugCallback):
             return rec, i, None, f"{len(replay)} module calls in the replay vs {len(real)} in the real step"
         return None
 
+    @staticmethod
+    def _ranks_differing(trainer: Any, differs: bool) -> list[int]:
+        """The ranks whose replay differed at this step (one tiny all_gather when world > 1)."""
+        if trainer.world_size <= 1:
+            return [trainer.global_rank] if differs else []
+        flag = torch.tensor([1 if differs else 0], device=trainer.strategy.root_device)
+        return [r for r, v in enumerate(trainer.strategy.all_gather(flag).reshape(-1).tolist()) if v]
+
     def _diverge(self, trainer: Any, step: int, rec: tuple, index: int, diff: float | None, how: str,
-                 total: int) -> None:
+                 total: int, ranks: list[int] | None = None) -> None:
         path, cls = rec[0], rec[2]
         diff_text = f"max abs diff {diff:.3g} over <= {self.sample_size} sampled elements, " if diff is not None else ""
         self.report(trainer, "warning", "nondeterministic_op",
                     f"module `{path}` ({cls}) gives a different output when step {step} is replayed with the same "
                     f"RNG state, weights and batch ({diff_text}{how}); it is module call {index + 1} of {total}, "
-                    "the first to differ: seeding cannot make this run reproducible",
+                    "the first to differ: seeding cannot make this run reproducible" + _only(trainer, ranks),
                     advice=_ADVICE, step=step,
                     details={"module": path, "class": cls, "call_index": index, "calls": total,
-                             "max_abs_diff_sampled": diff, "how": how})
+                             "max_abs_diff_sampled": diff, "how": how, "ranks_differing": ranks})
+
+
+def _only(trainer: Any, ranks: list[int] | None) -> str:
+    """A replay that differs on some ranks only is rank-local state, not an op: point at replica_parity."""
+    if not ranks or trainer is None or len(ranks) >= trainer.world_size:
+        return ""
+    who = f"only rank {ranks[0]} differs" if len(ranks) == 1 else f"only ranks {ranks} differ"
+    return f"; {who}: run +callbacks=replica_parity (replicas may have drifted)"

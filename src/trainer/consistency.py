@@ -64,7 +64,7 @@ from src.errors import ConfigError
 from src.findings.ranks import name_ranks
 from src.trainer.secrets import REDACTED, SECRET_KEY, redact
 
-__all__ = ["ConsistencyCheck", "rank_facts", "compare_facts"]
+__all__ = ["ConsistencyCheck", "rank_facts", "compare_facts", "config_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,11 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: json.dumps(node, sort_keys=True, default=str) if isinstance(node, list) else node}
 
 
+def config_hash(config: dict[str, Any]) -> str:
+    """Short sha256 of a flat config (``config_facts``): equal on every rank that composed the same run."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def rank_facts(cfg: Any = None, device: torch.device | None = None, environ: dict[str, str] | None = None,
                env_patterns: list[str] | tuple[str, ...] = ENV_PATTERNS) -> dict[str, Any]:
     """What this rank runs on: ``{"host": ..., "facts": {key: value}, "config": {dotted key: value}}``."""
@@ -172,7 +177,7 @@ def rank_facts(cfg: Any = None, device: torch.device | None = None, environ: dic
     seed = cfg.get("seed") if cfg is not None else None
     facts["seed"] = seed if seed is not None else (environ or os.environ).get("PL_GLOBAL_SEED")
     if config:
-        facts["config"] = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        facts["config"] = config_hash(config)
     facts.update(env_facts(dict(os.environ if environ is None else environ), env_patterns))
     return {"host": socket.gethostname(), "facts": facts, "config": config}
 
