@@ -159,3 +159,74 @@ def test_listener_counts_every_token_and_off_means_no_hook():
     assert cb._window[:n].sum().item() == 128
     cb.on_train_end(_Trainer(), module)
     assert module.moe.listeners == []
+
+
+# ---- planted bugs in real runs ---------------------------------------------------------------
+RUN = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+    "+callbacks=moe_router", "callbacks.moe_router.window_steps=2", "callbacks.moe_router.warmup_steps=2",
+    "export.fp32=false", "export.hf=false"]
+
+
+def _bias(name: str, layer: int, expert: int, step: int, bias: float) -> list[str]:
+    return [f"+callbacks.{name}._target_=tests.planted_router.RouterBias", f"+callbacks.{name}.layer={layer}",
+            f"+callbacks.{name}.expert={expert}", f"+callbacks.{name}.step={step}", f"+callbacks.{name}.bias={bias}"]
+
+
+def _collapse_named(found: list[dict], step: int, tokens: int) -> None:
+    """Planted at step 3 (V3's e_score_correction_bias of layer 1, expert 0): windows of 2 steps."""
+    assert [s for _, s in loud(found) if s < 3] == []  # before the onset: silent
+    collapse = [r for r in found if r["code"] == "router_collapse" and r["severity"] == "error"]
+    assert collapse, loud(found)
+    first = collapse[0]
+    assert first["step"] == step and first["step"] - 3 <= 5 and first["rank"] is None
+    assert first["details"]["layer"] == 1 and first["details"]["experts"] == ["E0"]
+    assert first["details"]["token_frac"]["E0"] == 1.0 and first["details"]["tokens"] == tokens  # all ranks
+    assert "router collapse in layer 1 over steps 4-5" in first["message"] and "E0 100%" in first["message"]
+    summary = [r for r in found if r["code"] == "router_summary"][-1]
+    share = summary["details"]["share"]["L1"]  # over the whole run: E0 is the busiest
+    assert summary["details"]["layers"] == [1] and max(range(len(share)), key=share.__getitem__) == 0
+
+
+def test_deepseek_v3_planted_collapse_named_within_5_steps(tmp_path, shared_cache):
+    run_dir = tmp_path / "run"
+    m = train_in_process(RUN + SMALL_DEEPSEEK + ["trainer.max_steps=6", *_bias("planted", 1, 0, 3, 10.0)],
+                         run_dir, shared_cache)
+    assert m["status"] == "completed"
+    found = read(run_dir)
+    _collapse_named(found, step=5, tokens=2 * 8 * 128)
+    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    windows = {r["step"]: r for r in rows if "moe_router/max_share/L1" in r}
+    assert sorted(windows) == [1, 3, 5] and windows[5]["moe_router/max_share/L1"] == pytest.approx(0.5)
+    assert windows[1]["moe_router/max_share/L1"] < 0.4  # before the plant
+
+
+def test_hf_qwen2_moe_planted_collapse_and_dead_expert_named(tmp_path, shared_cache):
+    from tests.test_hf_moe import _net
+
+    model_dir = tmp_path / "qwen2_moe"
+    _net("qwen2_moe").save_pretrained(model_dir)  # 4 experts, top-2; decoder layer 1 is the MoE layer
+    run_dir = tmp_path / "run"
+    overrides = RUN + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}", "data.vocab_size=4096",
+                       "trainer.max_steps=4", "trainer.limit_val_batches=1", "data.max_tokens=20000",
+                       *_bias("hot", 1, 0, 2, 10.0), *_bias("dead", 1, 3, 2, -1e4)]
+    assert train_in_process(overrides, run_dir, shared_cache)["status"] == "completed"
+    found = read(run_dir)
+    assert [s for _, s in loud(found) if s < 2] == []
+    collapse = [r for r in found if r["code"] == "router_collapse"]
+    assert collapse and collapse[0]["step"] == 3 and collapse[0]["details"]["experts"] == ["E0"]
+    dead = [r for r in found if r["code"] == "dead_experts"]
+    assert len(dead) == 1 and dead[0]["step"] == 3 and dead[0]["details"]["experts"] == ["E3"]
+    assert "1/4 expert(s) of layer 1 got no token over steps 2-3" in dead[0]["message"]
+    md = (run_dir / "report.md").read_text()  # the heatmap: layer x expert token share
+    assert "](report_files/moe_router.png)" in md and (run_dir / "report_files" / "moe_router.png").is_file()
+
+
+@pytest.mark.slow
+def test_two_processes_zero3_collapse_decided_on_all_ranks_tokens(tmp_path, shared_cache):
+    args = RUN + SMALL_DEEPSEEK + ["trainer=ddp_sim", "strategy=zero3", "trainer.max_steps=6",
+                                   *_bias("planted", 1, 0, 3, 10.0)]
+    proc = run_train(args, tmp_path, shared_cache)
+    assert_ok(proc)
+    found = read(only_run_dir(tmp_path))
+    _collapse_named(found, step=5, tokens=2 * 2 * 8 * 128)  # both ranks' tokens: the decision is global
+    assert len([r for r in found if r["code"] == "router_summary"]) == 1  # rank 0 writes
