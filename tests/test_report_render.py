@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import REPO
 
 VOID = {"meta", "img", "br", "hr", "link", "input"}
-FIGURES = ("loss", "grad_norms", "rank_step_time", "rank_memory", "moe_load", "comm_compute")
+FIGURES = ("loss", "grad_norms", "rank_step_time", "rank_memory", "moe_load", "moe_router", "comm_compute")
 PLANTED = [  # (severity, check, code, message) -- messages carry markup that must be escaped
     ("error", "grad_monitor", "nonfinite_grad", "NaN in grad of <model.layers.2.mlp> & friends at step 7"),
     ("warning", "log_sync", "straggler", "rank 1 is 2.3x slower than rank 0 (\"step_time\")"),
@@ -108,6 +108,8 @@ def write_run(run_dir: Path, loss: list[float], findings=(), metrics: dict | Non
         if debug:
             row |= {f"grad/norm/model.layers.{i}": 0.5 + 0.1 * i + 0.01 * step for i in range(3)}
             row |= {"grad/norm/global": 1.0, "comm/share": 0.2}
+            if step % 10 == 9:  # moe_router's windows
+                row |= {f"moe_router/load_entropy/L{i}": 0.9 + 0.01 * i for i in (1, 3)}
             for stat, base in (("step_time", 0.1), ("mem_mb", 900.0), ("comm_time", 0.02), ("compute_time", 0.08)):
                 row |= {f"ranks/{stat}_min": base, f"ranks/{stat}_mean": base * 1.1, f"ranks/{stat}_max": base * 1.3,
                         f"ranks/{stat}_max_rank": 1, f"ranks/{stat}_min_rank": 0}
@@ -121,6 +123,11 @@ def write_run(run_dir: Path, loss: list[float], findings=(), metrics: dict | Non
         for severity, check, code, message in findings:
             f.write(json.dumps({"time": 0, "step": 7, "rank": 1, "check": check, "severity": severity, "code": code,
                                 "message": message, "advice": f"advice for {code}", "details": {}}) + "\n")
+        if debug:  # moe_router's end-of-run share matrix (its heatmap)
+            f.write(json.dumps({"time": 0, "step": len(loss) - 1, "rank": None, "check": "moe_router",
+                                "severity": "info", "code": "router_summary", "message": "2 MoE layers",
+                                "details": {"steps": [0, len(loss) - 1], "share": {
+                                    "L1": [0.3, 0.2, 0.25, 0.25], "L3": [0.0, 0.4, 0.3, 0.3]}}}) + "\n")
     if metrics is not None:
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
     if crash is not None:

@@ -22,6 +22,10 @@ step). Layer ``i`` in ``moe/load/L<i>/E<e>`` is the decoder layer index (Qwen2-M
 ``mlp_only_layers``/``decoder_sparse_step`` and DeepSeek's dense first layers are skipped, not
 renumbered). Off means zero cost: coefficient 0 and ``moe_metrics: false`` add no hooks and no
 ``output_router_logits``.
+
+A debug check taps the routing with :meth:`MoEBalance.observe` (``callbacks/moe_router.py``):
+its listener gets every training forward's router records and aux loss; with no listener (the
+default) nothing extra runs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import importlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -93,6 +97,8 @@ class MoEBalance:
         self.metrics = bool(metrics)
         self.net_name = type(net).__name__
         self._warned = False
+        self._net = net
+        self.listeners: list[Callable[[list, torch.Tensor | None], None]] = []
         hooks = bool(routers) and (self.metrics or (self.source == "project" and self.coef > 0))
         self.capture = RouterCapture(net).attach() if hooks else None
         self.layers = [_layer_index(name, i) for i, name in enumerate(routers)]
@@ -120,6 +126,7 @@ class MoEBalance:
         for a dense net). Always takes the hooked records, so none outlive the step."""
         records = self.capture.collect() if self.capture is not None else []
         if not training or not self._measures_aux:
+            self._notify(training, records, None)
             return None
         aux = None
         if self.source == "model":
@@ -139,7 +146,29 @@ class MoEBalance:
             step.load = expert_load_fractions(records, self.num_experts)
             step.layers = [_layer_index(r.name, i) if r.layer_index is None else r.layer_index
                            for i, r in enumerate(records)]
+        self._notify(training, records, aux)
         return step
+
+    def observe(self, listener: Callable[[list, torch.Tensor | None], None]) -> bool:
+        """Call ``listener(records, aux)`` after every training forward (records: this forward's
+        ``RouterRecord`` per MoE layer; aux: the aux loss or None). Attaches the router hooks if
+        metrics and the loss left them off. False (nothing registered) for a net without routers."""
+        if not self.layers:
+            return False
+        if self.capture is None:
+            self.capture = RouterCapture(self._net).attach()
+            self.num_experts, self.top_k = self.capture.num_experts, self.capture.top_k
+        self.listeners.append(listener)
+        return True
+
+    def unobserve(self, listener: Callable[[list, torch.Tensor | None], None]) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def _notify(self, training: bool, records: list, aux: torch.Tensor | None) -> None:
+        if training and records and self.listeners:
+            for listener in self.listeners:
+                listener(records, aux)
 
     def summary(self) -> dict[str, Any]:
         """What metrics.json records (the report reads it to say why no MoE figure was drawn)."""

@@ -11,6 +11,7 @@ global backend switch, no display needed, safe to call inside a training process
 | ``rank_step_time`` | ``ranks/step_time_{min,mean,max}`` (band) | ``debug=logs`` |
 | ``rank_memory`` | ``ranks/mem_mb_{min,mean,max}`` (band) | ``debug=logs`` |
 | ``moe_load`` | ``moe/load_imbalance``; heatmap of ``moe/load/L<layer>/E<expert>`` keys if present | MoE models (``model.moe_metrics``) |
+| ``moe_router`` | heatmap layer x expert of the run's token share (``moe_router/router_summary`` finding) + ``moe_router/load_entropy/L<i>`` (``plots_moe.py``) | ``+callbacks=moe_router`` |
 | ``comm_compute`` | stacked: ``ranks/{comm,compute}_time_mean``, else ``comm/share``, else ``time/<phase>_ms``, else ``deepspeed/<phase>_ms`` |
 |   | (first found) | ``debug=logs`` / ``comm`` / ``profile`` / a ds_config's ``wall_clock_breakdown`` |
 """
@@ -212,6 +213,12 @@ def comm_compute(run: RunData) -> bytes | None:
     return None
 
 
+def _plots_moe():
+    from src.report import plots_moe  # imports this module's helpers: import it late
+
+    return plots_moe
+
+
 def moe_missing(run: RunData) -> str:
     """Why a run has no MoE figure, from what metrics.json says about its model (``moe``)."""
     moe = run.metrics.get("moe")
@@ -238,6 +245,8 @@ FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[
     "rank_step_time": ("Step time per rank", rank_step_time, "enable debug=logs (log_sync)"),
     "rank_memory": ("Memory per rank", rank_memory, "enable debug=logs (log_sync)"),
     "moe_load": ("MoE expert load", moe_load, moe_missing),
+    "moe_router": ("MoE router: token share per expert", lambda run: _plots_moe().router_share(run),
+                   "enable +callbacks=moe_router (MoE models; the share is written when training ends)"),
     "comm_compute": ("Communication vs compute", comm_compute,
                      "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler), or "
                      "\"wall_clock_breakdown\": true in a ds_config.json"),

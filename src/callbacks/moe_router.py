@@ -1,0 +1,312 @@
+"""`MoERouter`: MoE router health -- collapse, dead experts, load imbalance, aux-loss trend.
+
+Catches a router that sends (nearly) every token to the same expert(s), experts that receive no
+token at all, persistent load imbalance, and a balance (aux) loss that keeps climbing. It taps
+the routing the module already captures (``MoEBalance.observe``: the chosen top-k experts and the
+router logits of every training forward, every MoE layer, DeepSeek V2/V3 and HF Mixtral /
+Qwen-MoE / OLMoE routers), counts tokens per expert per layer on each rank, and closes a window
+every ``window_steps`` optimizer steps (and at ``max_steps``): the window's
+``[layers x experts]`` counts, entropy sums and aux/CE sums are ONE all-reduce on every rank, so
+every decision is global and the same on all ranks; rank 0 writes the findings (rank=None).
+Windows starting before ``warmup_steps`` are logged, not judged (random-init routers are jumpy).
+Works under ddp, ZeRO-1/2/3 (the hooks see the router's outputs; no parameter is read).
+
+Router entropy is per token, from the router's logits (softmax; DeepSeek-V3: its sigmoid scores
+normalised to sum 1), averaged over tokens, divided by log E: 1 = the router cannot decide, low =
+confident (healthy routers grow confident; this is information, not a finding). Collapse is
+judged on the LOAD: ``load_entropy`` = (H(load) - log k) / (log E - log k), 1 = uniform over the
+E experts, 0 = every token on the same top-k experts.
+
+Example::
+
+    python train.py +callbacks=moe_router callbacks.moe_router.window_steps=20 trainer=ddp_sim strategy=zero3
+
+| metric key (at each window) | meaning |
+|---|---|
+| ``moe_router/entropy/L<i>`` | mean per-token router entropy / log E, decoder layer i |
+| ``moe_router/load_entropy/L<i>`` | normalised entropy of the window's token load (1 uniform, 0 collapsed) |
+| ``moe_router/max_share/L<i>`` | busiest expert's share of the layer's routed token-slots (uniform: 1/E) |
+| ``moe_router/dead/L<i>`` | experts that got no token in the window (see ``dead_below``) |
+| ``moe_router/aux_loss`` | window mean of ``train/aux_loss`` / its balanced value (1 = balanced) |
+
+| finding code | severity | when (full windows after ``warmup_steps``) |
+|---|---|---|
+| ``router_collapse`` | error | an expert is chosen by >= ``collapse_tokens`` of a layer's tokens |
+| ``router_collapse`` | warning | a layer's ``load_entropy`` < ``collapse_entropy`` |
+| ``dead_experts`` | warning | experts with share <= ``dead_below`` x 1/E (0: no token at all), named per layer |
+| ``load_imbalance`` | warning | max/mean load > ``imbalance_max`` for ``imbalance_windows`` windows in a row |
+| ``aux_loss_rising`` | warning | window aux loss rose ``aux_windows`` times in a row, to > (1+``aux_rise``) x its minimum |
+| ``router_summary`` | info | at the end: per-layer entropy, load entropy, max share, dead experts, token share matrix |
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.errors import ConfigError
+from src.findings import Finding
+from src.models.moe_aux import normalised_probs
+
+__all__ = ["MoERouter", "record_stats", "window_stats"]
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def record_stats(records: list, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward's token-slot counts ``[L, E]``, summed per-token router entropy ``[L]`` and tokens ``[L]``.
+    Batched over layers (one bincount, one entropy): ~1 ms for 3 layers x 1024 tokens on CPU."""
+    if len({(r.logits.shape, r.topk_indices.shape, r.score_func) for r in records}) > 1:  # layers differ
+        parts = [record_stats([r], num_experts) for r in records]
+        return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
+    n = len(records)
+    idx = torch.stack([r.topk_indices.reshape(-1) for r in records]).cpu()
+    idx = idx + torch.arange(n).unsqueeze(1) * num_experts
+    counts = torch.bincount(idx.reshape(-1), minlength=n * num_experts).reshape(n, num_experts).double()
+    probs = normalised_probs(torch.stack([r.logits.detach() for r in records]), records[0].score_func)
+    entropy = torch.special.entr(probs).sum(-1).sum(-1).double().cpu()
+    return counts, entropy, torch.full((n,), float(probs.shape[1]), dtype=torch.float64)
+
+
+def window_stats(counts: torch.Tensor, ent_sum: torch.Tensor, tokens: torch.Tensor, top_k: int) -> dict:
+    """Per-layer statistics of one (all-reduced) window; tensors of length L unless noted."""
+    experts = counts.shape[-1]
+    share = counts / counts.sum(-1, keepdim=True).clamp_min(1.0)  # [L, E], rows sum to 1
+    h = -(share * share.clamp_min(1e-30).log()).sum(-1)
+    span = math.log(experts) - math.log(top_k)
+    return {"share": share, "token_frac": share * top_k, "max_share": share.max(-1).values,
+            "imbalance": share.max(-1).values * experts,
+            "load_entropy": (h - math.log(top_k)) / span if span > 0 else torch.ones_like(h),
+            "entropy": ent_sum / tokens.clamp_min(1.0) / math.log(max(experts, 2)), "tokens": tokens}
+
+
+class MoERouter(DebugCallback):
+    name = "moe_router"
+
+    def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,
+                 collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 2.5,
+                 imbalance_windows: int = 2, aux_rise: float = 0.5, aux_windows: int = 3,
+                 max_findings_per_code: int = 5, on_error: str = "warn") -> None:
+        if on_error == "skip":
+            raise ConfigError(f"callbacks.{self.name}.on_error='skip' is invalid; valid: warn, stop "
+                              "(a window is judged after its steps were applied)")
+        super().__init__(on_error=on_error)
+        for key, value, ok, valid in (
+            ("window_steps", window_steps, _int(window_steps) and window_steps >= 1, "an int >= 1"),
+            ("warmup_steps", warmup_steps, _int(warmup_steps) and warmup_steps >= 0, "an int >= 0"),
+            ("collapse_tokens", collapse_tokens, _num(collapse_tokens) and 0 < collapse_tokens <= 1,
+             "a number in (0, 1]"),
+            ("collapse_entropy", collapse_entropy, _num(collapse_entropy) and 0 <= collapse_entropy < 1,
+             "a number in [0, 1) (0 = off)"),
+            ("dead_below", dead_below, _num(dead_below) and 0 <= dead_below < 1, "a number in [0, 1)"),
+            ("imbalance_max", imbalance_max, _num(imbalance_max) and imbalance_max > 1, "a number > 1"),
+            ("imbalance_windows", imbalance_windows, _int(imbalance_windows) and imbalance_windows >= 1,
+             "an int >= 1"),
+            ("aux_rise", aux_rise, _num(aux_rise) and aux_rise >= 0, "a number >= 0"),
+            ("aux_windows", aux_windows, _int(aux_windows) and aux_windows >= 0, "an int >= 0 (0 = off)"),
+            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code) and max_findings_per_code >= 1,
+             "an int >= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.window_steps, self.warmup_steps = window_steps, warmup_steps
+        self.collapse_tokens, self.collapse_entropy = float(collapse_tokens), float(collapse_entropy)
+        self.dead_below, self.imbalance_max = float(dead_below), float(imbalance_max)
+        self.imbalance_windows, self.aux_rise, self.aux_windows = imbalance_windows, float(aux_rise), aux_windows
+        self.max_findings_per_code = max_findings_per_code
+        self._moe = None
+
+    # ---- setup: every rank ----------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        moe = getattr(pl_module, "moe", None)
+        self._moe = moe if moe is not None and moe.observe(self._on_forward) else None
+        if self._moe is None:
+            if trainer.global_rank == 0:
+                self.report(trainer, "info", "no_routers", f"{type(getattr(pl_module, 'net', pl_module)).__name__} "
+                            "has no MoE routers: moe_router checks nothing", rank=None)
+            return
+        self.layers, self.experts, self.top_k = list(moe.layers), moe.num_experts, moe.top_k
+        self.aux_balanced = float(self.top_k) if moe.source == "model" else 1.0  # HF's scale: top_k; ours: 1
+        n = len(self.layers)
+        self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64)
+        self._total = torch.zeros(n, self.experts, dtype=torch.float64)
+        self._start = self._first = trainer.global_step  # again in on_train_start (after a resume)
+        self._counts: dict[str, int] = {}
+        self._imbalanced = [0] * n
+        self._dead_seen: set[tuple[int, int]] = set()
+        self._aux: list[tuple[float, float]] = []  # (aux, ce) window means, judged windows
+        self._aux_reported = False
+        self._last: dict | None = None
+        log.info("moe_router: %d MoE layer(s) x %d experts, top-%d; window %d steps, judged from step %d",
+                 n, self.experts, self.top_k, self.window_steps, self.warmup_steps)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._moe is not None:  # the loop state is restored now: windows count from the resumed step
+            self._start = self._first = trainer.global_step
+
+    def _on_forward(self, records: list, aux: torch.Tensor | None) -> None:
+        """Inside every training forward, every rank: local counts only (no collective)."""
+        if len(records) != len(self.layers):
+            return  # e.g. a partial forward; nothing reliable to count
+        counts, ent, tokens = record_stats(records, self.experts)
+        n, w = len(self.layers), self._window
+        w[: n * self.experts] += counts.reshape(-1)
+        w[n * self.experts: n * self.experts + n] += ent
+        w[n * self.experts + n: n * self.experts + 2 * n] += tokens
+        if aux is not None:
+            w[-4] += float(aux.detach()) / self.aux_balanced
+            w[-3] += 1
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._moe is None:
+            return
+        ce = trainer.callback_metrics.get("train/loss")
+        if ce is not None and math.isfinite(float(ce)):
+            self._window[-2] += float(ce)
+            self._window[-1] += 1
+        step = trainer.global_step  # same on every rank: the window closes at the same point everywhere
+        done = step - self._start
+        if done >= self.window_steps or (done > 0 and 0 < (trainer.max_steps or -1) <= step):
+            self._close(trainer, pl_module, self._start, step, full=done >= self.window_steps)
+
+    # ---- a window: EVERY rank, same branches (decisions use all-reduced values) -------------
+    def _close(self, trainer: Any, pl_module: Any, start: int, end: int, full: bool) -> None:
+        vec, self._window = self._window, torch.zeros_like(self._window)
+        self._start = end
+        if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per window, every rank
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        n, e = len(self.layers), self.experts
+        counts = vec[: n * e].reshape(n, e)
+        if counts.sum() <= 0:
+            return
+        self._total += counts
+        st = window_stats(counts, vec[n * e: n * e + n], vec[n * e + n: n * e + 2 * n], self.top_k)
+        dead = [[x for x in range(e) if st["share"][i, x] <= self.dead_below / e] for i in range(n)]
+        aux = float(vec[-4] / vec[-3]) if vec[-3] > 0 else None
+        ce = float(vec[-2] / vec[-1]) if vec[-1] > 0 else None
+        self._last = {"entropy": st["entropy"].tolist(), "load_entropy": st["load_entropy"].tolist(),
+                      "max_share": st["max_share"].tolist(), "dead": dead, "steps": (start, end - 1)}
+        if trainer.global_rank == 0:  # loggers write on rank 0 only; no collective here
+            metrics = {f"moe_router/{k}/L{layer}": (len(dead[i]) if k == "dead" else self._last[k][i])
+                       for k in ("entropy", "load_entropy", "max_share", "dead") for i, layer in enumerate(self.layers)}
+            if aux is not None:
+                metrics["moe_router/aux_loss"] = aux
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=end - 1)
+        if full and start >= self.warmup_steps:
+            self._judge(trainer, pl_module, st, dead, aux, ce, f"steps {start}-{end - 1}")
+
+    def _judge(self, trainer: Any, pl_module: Any, st: dict, dead: list, aux: float | None,
+               ce: float | None, where: str) -> None:
+        e, k = self.experts, self.top_k
+        for i, layer in enumerate(self.layers):
+            frac, share = st["token_frac"][i], st["share"][i]
+            toks = int(st["tokens"][i])
+            order = sorted(range(e), key=lambda x: -float(share[x]))
+            top = ", ".join(f"E{x} {float(frac[x]):.0%}" for x in order[:4])
+            hot = [x for x in order if float(frac[x]) >= self.collapse_tokens]
+            spread = float(st["load_entropy"][i])
+            info = {"layer": layer, "tokens": toks, "token_frac": {f"E{x}": round(float(frac[x]), 4) for x in order},
+                    "load_entropy": spread, "imbalance": float(st["imbalance"][i])}
+            if hot or spread < self.collapse_entropy:
+                why = (f"expert(s) {', '.join(f'E{x}' for x in hot)} chosen by >= {self.collapse_tokens:.0%} of tokens"
+                       if hot else f"load entropy {spread:.2f} < collapse_entropy={self.collapse_entropy:g}")
+                self._emit(trainer, pl_module, "error" if hot else "warning", "router_collapse",
+                           f"router collapse in layer {layer} over {where} ({toks} tokens, all ranks): {why}; "
+                           f"tokens choosing each expert: {top} (uniform {k / e:.0%}); load entropy {spread:.2f}",
+                           "the router sends most tokens to the same experts: raise the balance loss "
+                           "(model.moe_aux_loss_coef), lower the LR, check router init/bias (V3 "
+                           "e_score_correction_bias) and that the aux loss reaches the router",
+                           {**info, "experts": [f"E{x}" for x in (hot or order[:k])]})
+            new_dead = [x for x in dead[i] if (layer, x) not in self._dead_seen]
+            if new_dead:
+                self._dead_seen.update((layer, x) for x in new_dead)
+                self._emit(trainer, pl_module, "warning", "dead_experts",
+                           f"{len(dead[i])}/{e} expert(s) of layer {layer} got "
+                           f"{'no token' if self.dead_below == 0 else f'<= {self.dead_below:g} x the uniform share'}"
+                           f" over {where} ({toks} tokens, all ranks): {', '.join(f'E{x}' for x in dead[i])}",
+                           "a dead expert learns nothing: check the router's bias/logits for those experts, "
+                           "raise the balance loss; a capacity/drop bug or a -inf mask can also starve them",
+                           {**info, "experts": [f"E{x}" for x in dead[i]]})
+            self._imbalanced[i] = self._imbalanced[i] + 1 if float(st["imbalance"][i]) > self.imbalance_max else 0
+            if self._imbalanced[i] == self.imbalance_windows:
+                self._emit(trainer, pl_module, "warning", "load_imbalance",
+                           f"load imbalance in layer {layer}: busiest expert E{order[0]} gets "
+                           f"{float(st['imbalance'][i]):.2f}x the mean load (> imbalance_max={self.imbalance_max:g}) "
+                           f"for {self.imbalance_windows} window(s) up to {where}; tokens per expert: {top}",
+                           "raise the balance loss coefficient or its warm-up; an overloaded expert "
+                           "becomes a hot spot (memory, time, dropped tokens with capacity limits)", info)
+        self._judge_aux(trainer, pl_module, aux, ce, where)
+
+    def _judge_aux(self, trainer: Any, pl_module: Any, aux: float | None, ce: float | None, where: str) -> None:
+        if aux is None or not self.aux_windows:
+            return
+        self._aux.append((aux, ce if ce is not None else math.nan))
+        series = [a for a, _ in self._aux]
+        low = min(series)
+        tail = series[-self.aux_windows - 1:]
+        rising = len(tail) == self.aux_windows + 1 and all(b > a for a, b in zip(tail, tail[1:]))
+        if rising and aux > (1 + self.aux_rise) * low and not self._aux_reported:
+            self._aux_reported = True  # once per rising streak
+            ces = [c for _, c in self._aux[-self.aux_windows - 1:]]
+            ce_txt = (f"while CE fell {ces[0]:.3f} -> {ces[-1]:.3f} (the router trades balance for loss)"
+                      if ces[-1] < ces[0] else f"and CE did not fall ({ces[0]:.3f} -> {ces[-1]:.3f})")
+            self._emit(trainer, pl_module, "warning", "aux_loss_rising",
+                       f"balance (aux) loss rose {self.aux_windows} windows in a row up to {where}: "
+                       f"{' -> '.join(f'{a:.3f}' for a in tail)} x balanced (minimum {low:.3f}), {ce_txt}",
+                       "a collapse in the making: raise model.moe_aux_loss_coef, check it is applied "
+                       "(train/loss_total) and look at moe_router/load_entropy per layer",
+                       {"aux_windows": tail, "aux_min": low, "ce_windows": ces})
+        elif not rising:
+            self._aux_reported = False
+
+    def _emit(self, trainer: Any, pl_module: Any, severity: str, code: str, message: str, advice: str,
+              details: dict) -> None:
+        """Called on EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
+        n = self._counts[code] = self._counts.get(code, 0) + 1
+        if n == self.max_findings_per_code:
+            message += f" (further {code} findings are only counted)"
+        if n <= self.max_findings_per_code and trainer.global_rank == 0:
+            self.report(trainer, severity, code, message, advice, details, rank=None,
+                        step=trainer.global_step - 1)
+        elif severity == "error":
+            self._apply_policy(trainer, Finding(self.name, severity, code, message, advice,
+                                                step=trainer.global_step - 1, rank=None))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._moe is None:
+            return
+        self._moe.unobserve(self._on_forward)
+        if trainer.global_rank != 0:
+            return
+        if self._last is None:
+            self.report(trainer, "info", "router_summary", "no window closed (the run was shorter than one "
+                        f"window of {self.window_steps} steps)", rank=None)
+            return
+        share = self._total / self._total.sum(-1, keepdim=True).clamp_min(1.0)
+        per_layer = "; ".join(
+            f"L{layer}: entropy {self._last['entropy'][i]:.2f}, load entropy {self._last['load_entropy'][i]:.2f}, "
+            f"max share {self._last['max_share'][i]:.3f}, dead {len(self._last['dead'][i])}"
+            for i, layer in enumerate(self.layers))
+        counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
+        self.report(trainer, "info", "router_summary",
+                    f"{len(self.layers)} MoE layer(s) x {self.experts} experts, top-{self.top_k}, steps "
+                    f"{self._first}-{trainer.global_step - 1}; last window ({self._last['steps'][0]}-"
+                    f"{self._last['steps'][1]}): {per_layer}; findings: {counts}",
+                    details={"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
+                             "steps": [self._first, trainer.global_step - 1],
+                             "share": {f"L{layer}": share[i].tolist() for i, layer in enumerate(self.layers)},
+                             "last_window": self._last,
+                             "counts": dict(self._counts)}, rank=None)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
