@@ -168,5 +168,5 @@ def test_two_ranks_take_the_same_decision(tmp_path, shared_cache):
     assert "largest local loss on rank 1" in found[0]["message"] and found[0]["details"]["top_rank"] == 1
     assert max(train_losses(run_dir)) == 13
     for rank in (0, 1):  # every rank dropped the update (lm_module's log line on each rank)
-        log = (run_dir / ("train.log" if rank == 0 else "ranks/rank1.log"))
+        log = (run_dir / ("train.log" if rank == 0 else "rank1.log"))
         assert "step 11: dropping this optimizer update" in Path(log).read_text(), rank

@@ -147,19 +147,18 @@ class LossSpike(DebugCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._source = grad_source(trainer.strategy)
         self._params = [p for p in pl_module.parameters() if p.requires_grad] if self.use_grad_norm else []
-        if trainer.ckpt_path:
-            self._exclude_on_resume(trainer, Path(str(trainer.ckpt_path)))
 
-    def _exclude_on_resume(self, trainer: Any, ckpt: Path) -> None:
-        """A resume: batches a rollback skipped after this checkpoint are not replayed (local, every rank)."""
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # a resume (Lightning restores before the train loader's first iteration; never our rollback's load)
+        if trainer.ckpt_path:
+            self._exclude_on_resume(trainer, Path(str(trainer.ckpt_path)), int(checkpoint.get("global_step", 0)))
+
+    def _exclude_on_resume(self, trainer: Any, ckpt: Path, step: int) -> None:
+        """Batches a rollback skipped after this checkpoint are not replayed (local, every rank)."""
         run_dir = Path(trainer.default_root_dir)
         records = rb.read_record(ckpt.parent.parent / rb.SKIP_FILE) or rb.read_record(run_dir / rb.SKIP_FILE)
         if not records:
             return
-        try:
-            step = int(rb.read_manifest(ckpt).get("global_step", 0))
-        except rb.CheckpointError:
-            step = 0
         dm = trainer.datamodule
         geometry = (trainer.world_size, int(getattr(dm, "batch_size", 0) or 0))
         ranges = rb.exclusions_for_resume(records, step, geometry)
@@ -266,7 +265,8 @@ class LossSpike(DebugCallback):
         if found is None:
             self._emit(trainer, "warning", "loss_spike_skipped",
                        pending["text"] + "; no verified checkpoint yet, so rollback skipped this update instead",
-                       "checkpoint more often (callbacks.model_checkpoint.every_n_train_steps)", pending["details"])
+                       "checkpoint more often (callbacks.model_checkpoint.every_n_train_steps)", pending["details"],
+                       step=step)
             return
         path, ckpt_step = found
         rb.load_weights_and_optimizer(trainer, pl_module, path)  # every rank
@@ -284,16 +284,17 @@ class LossSpike(DebugCallback):
                    + f") skipped, recorded in {rb.SKIP_FILE}; training goes on at step {step + 1}"
                    + f" (rollback {self._rollbacks}/{self.max_rollbacks})",
                    "a resume with this check on does not replay those batches; if spikes return, lower the LR",
-                   {**pending["details"], **entry, "record": str(record) if record else None})
+                   {**pending["details"], **entry, "record": str(record) if record else None}, step=step)
 
-    def _emit(self, trainer: Any, severity: str, code: str, message: str, advice: str, details: dict) -> Finding:
+    def _emit(self, trainer: Any, severity: str, code: str, message: str, advice: str, details: dict,
+              step: int | None = None) -> Finding:
+        step = trainer.global_step if step is None else step
         n = self._counts[code] = self._counts.get(code, 0) + 1
         if n == self.max_findings_per_code:
             message += f" (further {code} findings are only counted)"
-        finding = Finding(self.name, severity, code, message, advice, step=trainer.global_step, rank=None,
-                          details=details)
+        finding = Finding(self.name, severity, code, message, advice, step=step, rank=None, details=details)
         if trainer.global_rank == 0 and (n <= self.max_findings_per_code or severity == "error"):
-            self.report(trainer, severity, code, message, advice, details, rank=None)
+            self.report(trainer, severity, code, message, advice, details, rank=None, step=step)
         return finding
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
