@@ -285,8 +285,9 @@ class LMDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, int]:
         """Saved in every checkpoint: where in the epoch the data stream was (per rank, and the
         batch geometry, so a resume under another world size or batch size finds its place)."""
-        return {"batches_consumed_in_epoch": batches_consumed_in_epoch(self.trainer),
-                "world_size": self._world_size(), "batch_size": self.batch_size}
+        dropped = self._position.dropped  # excluded batches (exclude_batches): raw position = processed + dropped
+        return {"batches_consumed_in_epoch": batches_consumed_in_epoch(self.trainer) + dropped,
+                "dropped_in_epoch": dropped, "world_size": self._world_size(), "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         skip = int(state.get("batches_consumed_in_epoch", 0))
@@ -300,6 +301,12 @@ class LMDataModule(L.LightningDataModule):
                 log.warning("resume: %d samples consumed is not a whole number of %d-rank x %d batches; "
                             "skipping %d batches per rank", samples, new[0], new[1], skip)
         self._position.skip = skip
+        self._position.dropped_at_skip = int(state.get("dropped_in_epoch", 0)) if not all(old) or old == new else 0
+
+    def exclude_batches(self, epoch: int, first: int, last: int) -> None:
+        """Never train on batch positions ``first..last`` (per rank, inclusive) of ``epoch``'s order:
+        the loss_spike check calls it on a resume, for batches a rollback skipped."""
+        self._position.excluded.setdefault(int(epoch), []).append((int(first), int(last)))
 
     def _world_size(self) -> int:
         trainer = getattr(self, "trainer", None)

@@ -12,11 +12,15 @@ run re-trains on batches it has seen and its loss curve departs from the uninter
   current epoch, once, on the first iteration after the restore. The skip count travels
   in a shared `ResumePosition` that Lightning's DataLoader re-instantiation (sampler
   injection) passes on as a constructor argument.
+- Excluded batches (``ResumePosition.excluded``, set by the loss_spike check on a resume
+  after a rollback): per epoch, ranges of batch positions never trained on; the loader
+  drops them and counts them in ``dropped``, so the position a checkpoint records stays
+  the raw position in the epoch's batch order (``processed + dropped``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,9 +47,14 @@ class ResumePosition:
     """Batches of the current epoch to skip on the next iteration (set on restore)."""
 
     skip: int = 0
+    dropped_at_skip: int = 0  # excluded batches before `skip` (restored: raw position - processed)
+    dropped: int = 0  # excluded batches dropped so far in the current epoch
+    #: epoch -> [(first, last)] batch positions (per rank, inclusive) never to train on
+    excluded: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def take(self) -> int:
         skip, self.skip = self.skip, 0
+        self.dropped, self.dropped_at_skip = self.dropped_at_skip, 0
         return skip
 
 
@@ -56,9 +65,19 @@ class ResumableDataLoader(DataLoader):
 
     def __iter__(self):
         iterator = super().__iter__()
-        for _ in range(min(self.position.take(), len(self))):
+        start = min(self.position.take(), len(self))
+        for _ in range(start):
             next(iterator)
-        return iterator
+        ranges = self.position.excluded.get(int(getattr(self.sampler, "epoch", 0)))
+        return self._drop_excluded(iterator, start, ranges) if ranges else iterator
+
+    def _drop_excluded(self, iterator: Any, pos: int, ranges: list[tuple[int, int]]):
+        for batch in iterator:
+            if any(first <= pos <= last for first, last in ranges):
+                self.position.dropped += 1
+            else:
+                yield batch
+            pos += 1
 
 
 def batches_consumed_in_epoch(trainer: Any) -> int:

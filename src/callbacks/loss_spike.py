@@ -1,0 +1,321 @@
+"""`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
+
+Each optimizer step, before the update, the training loss (averaged over ranks and over the
+accumulated micro-batches) is judged against a rolling window of the last ``window`` healthy
+steps: robust z = (loss - median) / (1.4826 MAD) and relative jump = loss / median - 1.
+A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
+``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
+the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
+Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
+spike, so the big early moves of training are silent. The score logged as ``spike/score``
+is the decision statistic: a spike iff score >= 1.
+
+Policies (``policy``): ``warn`` reports; ``skip`` drops that update on every rank
+(``skip_optimizer_step``, see src/models/lm_module.py); ``rollback`` drops it, then reloads
+weights + optimizer state from the newest checkpoint that verifies against its manifest,
+keeping the step counter, LR schedule and data iterator moving forward, so the batches from
+that checkpoint to the spike are skipped (PaLM), recorded in ``<run_dir>/skipped_batches.json``.
+A resume (``ckpt_path=``/``resume=``) from a checkpoint before them, with this check on, drops
+them from the data stream (``LMDataModule.exclude_batches``). No verified checkpoint yet:
+rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
+``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
+
+Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
+loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
+alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
+Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
+
+Example::
+
+    python train.py +callbacks=loss_spike callbacks.loss_spike.policy=rollback \\
+        callbacks.model_checkpoint.every_n_train_steps=50
+
+| metric key (every optimizer step) | meaning |
+|---|---|
+| ``spike/loss_median`` | median of the window's losses |
+| ``spike/score`` | decision statistic (>= 1 = spike) |
+
+| finding code | severity | when |
+|---|---|---|
+| ``loss_spike`` | warning | a spike, policy warn (step, batch, loss vs median, rank with the largest loss) |
+| ``loss_spike_skipped`` | warning | a spike whose update was dropped (skip; rollback without a verified checkpoint) |
+| ``loss_spike_rollback`` | warning | rolled back to a checkpoint; the skipped batch range |
+| ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
+| ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
+| ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from src.callbacks import _spike_rollback as rb
+from src.callbacks.base import DebugCallback
+from src.callbacks.grad_monitor import _at_accumulation_boundary, _num, grad_source, local_grad
+from src.errors import ConfigError
+from src.findings import Finding, get_channel
+
+POLICIES = ("warn", "skip", "rollback")
+
+
+class SpikeWindow:
+    """The detector: rolling median/MAD of healthy (step, loss, grad_norm) records. No collectives."""
+
+    def __init__(self, window: int, warmup_steps: int, z_threshold: float, min_rel_jump: float,
+                 grad_ratio: float | None) -> None:
+        self.window, self.warmup_steps = window, warmup_steps
+        self.z_threshold, self.min_rel_jump, self.grad_ratio = z_threshold, min_rel_jump, grad_ratio
+        self.history: deque[tuple[int, float, float | None]] = deque(maxlen=20_000)  # for rollbacks
+
+    def push(self, step: int, loss: float, gnorm: float | None) -> None:
+        self.history.append((step, loss, gnorm))
+
+    def rollback_to(self, step: int) -> None:
+        """Forget what was seen from ``step`` on: the window as it was when that checkpoint was taken."""
+        while self.history and self.history[-1][0] >= step:
+            self.history.pop()
+
+    def judge(self, loss: float, gnorm: float | None) -> dict[str, Any]:
+        if not math.isfinite(loss):
+            return {"spike": True, "score": math.inf, "why": "non-finite loss", "median": None}
+        recent = list(self.history)[-self.window:]
+        if len(self.history) < self.warmup_steps or not recent:
+            return {"spike": False, "score": 0.0, "why": "warm-up", "median": None}
+        med = statistics.median(r[1] for r in recent)
+        mad = statistics.median(abs(r[1] - med) for r in recent)
+        scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+        z = (loss - med) / scale
+        jump = loss / med - 1 if med > 0 else (math.inf if loss > med else 0.0)
+        score = max(0.0, min(z / self.z_threshold, jump / self.min_rel_jump))
+        ratio, gmed = None, None
+        norms = [r[2] for r in recent if r[2] is not None and math.isfinite(r[2])]
+        if self.grad_ratio is not None and gnorm is not None and norms:
+            gmed = statistics.median(norms)
+            ratio = gnorm / gmed if gmed > 0 else math.inf
+            score = max(score, min(ratio / self.grad_ratio, 2 * z / self.z_threshold, 2 * jump / self.min_rel_jump))
+        why = (f"loss {loss:.4g} vs window median {med:.4g} (x{loss / med:.2f}, robust z {z:.1f}, MAD {mad:.3g})"
+               if med > 0 else f"loss {loss:.4g} vs window median {med:.4g}")
+        if ratio is not None:
+            why += f"; grad norm {gnorm:.4g} = {ratio:.2f}x its median {gmed:.4g}"
+        return {"spike": score >= 1.0, "score": score, "why": why, "median": med, "mad": mad, "z": z,
+                "jump": jump, "grad_norm": gnorm, "grad_ratio": ratio}
+
+
+class LossSpike(DebugCallback):
+    name = "loss_spike"
+
+    def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,
+                 min_rel_jump: float = 0.25, use_grad_norm: bool = True, grad_ratio: float = 3.0,
+                 max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5) -> None:
+        super().__init__(on_error="warn")
+        for key, value, ok, valid in (
+            ("policy", policy, policy in POLICIES, " | ".join(POLICIES)),
+            ("window", window, _int(window) and window >= 5, "an int >= 5"),
+            ("warmup_steps", warmup_steps, _int(warmup_steps) and warmup_steps >= 5, "an int >= 5"),
+            ("z_threshold", z_threshold, _num(z_threshold) and z_threshold > 0, "a number > 0"),
+            ("min_rel_jump", min_rel_jump, _num(min_rel_jump) and min_rel_jump > 0, "a number > 0"),
+            ("use_grad_norm", use_grad_norm, isinstance(use_grad_norm, bool), "true | false"),
+            ("grad_ratio", grad_ratio, _num(grad_ratio) and grad_ratio > 1, "a number > 1"),
+            ("max_rollbacks", max_rollbacks, _int(max_rollbacks) and max_rollbacks >= 0, "an int >= 0"),
+            ("max_consecutive_skips", max_consecutive_skips, _int(max_consecutive_skips) and max_consecutive_skips >= 1,
+             "an int >= 1"),
+            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code) and max_findings_per_code >= 1,
+             "an int >= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.policy, self.use_grad_norm = policy, use_grad_norm
+        self.max_rollbacks, self.max_consecutive_skips = max_rollbacks, max_consecutive_skips
+        self.max_findings_per_code = max_findings_per_code
+        self.detector = SpikeWindow(window, warmup_steps, float(z_threshold), float(min_rel_jump),
+                                    float(grad_ratio) if use_grad_norm else None)
+        self._loss_sum: torch.Tensor | None = None
+        self._seen: deque[tuple[int, int, int]] = deque(maxlen=100_000)  # (step, epoch, batch_idx)
+        self._params: list[torch.Tensor] = []
+        self._pending: dict | None = None
+        self._counts: dict[str, int] = {}
+        self._checked = self._rollbacks = self._in_row = 0
+        self._largest: dict[str, Any] = {"score": 0.0, "step": None, "z": 0.0, "jump": 0.0}
+
+    # ---- setup: every rank ----------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._source = grad_source(trainer.strategy)
+        self._params = [p for p in pl_module.parameters() if p.requires_grad] if self.use_grad_norm else []
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # a resume (Lightning restores before the train loader's first iteration; never our rollback's load)
+        if trainer.ckpt_path:
+            self._exclude_on_resume(trainer, Path(str(trainer.ckpt_path)), int(checkpoint.get("global_step", 0)))
+
+    def _exclude_on_resume(self, trainer: Any, ckpt: Path, step: int) -> None:
+        """Batches a rollback skipped after this checkpoint are not replayed (local, every rank)."""
+        run_dir = Path(trainer.default_root_dir)
+        records = rb.read_record(ckpt.parent.parent / rb.SKIP_FILE) or rb.read_record(run_dir / rb.SKIP_FILE)
+        if not records:
+            return
+        dm = trainer.datamodule
+        geometry = (trainer.world_size, int(getattr(dm, "batch_size", 0) or 0))
+        ranges = rb.exclusions_for_resume(records, step, geometry)
+        supported = hasattr(dm, "exclude_batches")
+        for epoch, first, last in ranges if supported else ():
+            dm.exclude_batches(epoch, first, last)
+        if not ranges or trainer.global_rank != 0:
+            return
+        if not supported:
+            self.report(trainer, "warning", "loss_spike_resume_skip",
+                        f"resuming from {ckpt.name} (step {step}): {type(dm).__name__} cannot drop the {len(ranges)} "
+                        "batch range(s) a rollback skipped; they will be replayed",
+                        "use src.data.datamodule.LMDataModule or give your datamodule exclude_batches()", rank=None)
+            return
+        if not (run_dir / rb.SKIP_FILE).is_file():  # the record follows the run
+            for r in records:
+                rb.append_record(run_dir, r)
+        self.report(trainer, "info", "loss_spike_resume_skip",
+                    f"resuming from {ckpt.name} (step {step}): dropping batch positions "
+                    + ", ".join(f"{a}..{b} of epoch {e}" for e, a, b in ranges)
+                    + " that a rollback skipped (skipped_batches.json)", details={"ranges": ranges}, rank=None)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._seen.append((trainer.global_step, trainer.current_epoch, batch_idx))
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        # Lightning passes loss / accumulate_grad_batches: the sum over micro-batches is the mean
+        loss = loss.detach().float().sum()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+
+    # ---- the check: EVERY rank, same branches (decisions on all-reduced values) -----------------
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._loss_sum is None or not _at_accumulation_boundary(trainer):
+            return
+        world, rank = trainer.world_size, trainer.global_rank
+        vec = torch.zeros(world + 1, dtype=torch.float64)
+        vec[rank] = float(self._loss_sum)
+        self._loss_sum = None
+        if self._params:
+            grads = [g for g in (local_grad(p, self._source) for p in self._params) if g is not None and g.numel()]
+            sq = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()) \
+                if grads else 0.0
+            vec[world] = sq / world if self._source == "replicated" else sq  # replicated: every rank has it all
+        if world > 1:  # COLLECTIVE, every rank, every optimizer step: one all-reduce of world + 1 numbers
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        losses = vec[:world].tolist()
+        loss, gnorm = sum(losses) / world, (math.sqrt(vec[world]) if self._params else None)
+        v = self.detector.judge(loss, gnorm)
+        step, self._checked = trainer.global_step, self._checked + 1
+        if v["score"] > self._largest["score"] and math.isfinite(v["score"]):
+            self._largest = {"score": v["score"], "step": step, "z": v.get("z", 0.0), "jump": v.get("jump", 0.0)}
+        if v["median"] is not None:
+            pl_module.log_dict({"spike/loss_median": v["median"], "spike/score": v["score"]}, on_step=True)
+        if not v["spike"]:
+            self.detector.push(step, loss, gnorm)
+            self._in_row = 0
+            return
+        self._on_spike(trainer, pl_module, v, losses)
+
+    def _on_spike(self, trainer: Any, pl_module: Any, v: dict, losses: list[float]) -> None:
+        step, epoch, batch = trainer.global_step, trainer.current_epoch, self._seen[-1][2] if self._seen else None
+        top = max(range(len(losses)), key=lambda r: losses[r] if math.isfinite(losses[r]) else math.inf)
+        where = f"step {step} (epoch {epoch}, batch {batch})"
+        rank_note = f"; largest local loss on rank {top} ({losses[top]:.4g})" if len(losses) > 1 else ""
+        details = {k: v.get(k) for k in ("median", "mad", "z", "jump", "grad_norm", "grad_ratio", "score")}
+        details.update(loss=sum(losses) / len(losses), rank_losses=losses, top_rank=top, batch_idx=batch, epoch=epoch)
+        text = f"loss spike at {where}: {v['why']}{rank_note}"
+        if self.policy == "warn":
+            if math.isfinite(details["loss"]):  # the run goes on with it: a lasting level becomes the new normal
+                self.detector.push(step, details["loss"], v["grad_norm"])
+            self._emit(trainer, "warning", "loss_spike", text + "; the update is applied (policy=warn)",
+                       "inspect that batch (debug=data) and the LR/warm-up; policy=skip drops such updates, "
+                       "rollback also returns to the last verified checkpoint", details)
+            return
+        self._in_row += 1
+        limit = self.policy == "rollback" and self._rollbacks >= self.max_rollbacks
+        if limit or self._in_row > self.max_consecutive_skips:
+            pl_module.skip_optimizer_step = True  # the stop checkpoint keeps the weights from before the spike
+            why = (f"{self._rollbacks} rollbacks (max_rollbacks={self.max_rollbacks})" if limit else
+                   f"{self._in_row} spiking steps in a row (max_consecutive_skips={self.max_consecutive_skips})")
+            finding = self._emit(trainer, "error", "loss_spike_persistent", f"{text}; stopping after {why}",
+                                 "the loss does not come back: lower the LR, check the data from that batch on, "
+                                 "resume from an earlier checkpoint", details)
+            channel = get_channel()
+            if channel.stop_request is None:
+                channel.stop_request = finding
+            trainer.should_stop = True
+            return
+        pl_module.skip_optimizer_step = True  # every rank: lm_module drops this update
+        if self.policy == "skip":
+            self._emit(trainer, "warning", "loss_spike_skipped", text + "; this update was dropped on every rank",
+                       "if spikes repeat at the same data, inspect those batches (debug=data); lower the LR", details)
+        else:
+            self._pending = {"text": text, "details": details, "step": step}
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None  # every rank has the same pending rollback
+        step = pending["step"]
+        found = rb.newest_verified(rb.checkpoint_dir(trainer), step) if trainer.global_rank == 0 else None
+        if trainer.world_size > 1:  # COLLECTIVE (every rank is here): rank 0's verified choice
+            found = trainer.strategy.broadcast(found, src=0)
+        if found is None:
+            self._emit(trainer, "warning", "loss_spike_skipped",
+                       pending["text"] + "; no verified checkpoint yet, so rollback skipped this update instead",
+                       "checkpoint more often (callbacks.model_checkpoint.every_n_train_steps)", pending["details"],
+                       step=step)
+            return
+        path, ckpt_step = found
+        rb.load_weights_and_optimizer(trainer, pl_module, path)  # every rank
+        self.detector.rollback_to(ckpt_step)
+        self._rollbacks += 1
+        ranges = rb.position_ranges(list(self._seen), ckpt_step, step)
+        entry = {"rollback": self._rollbacks, "spike_step": step, "checkpoint": Path(path).name,
+                 "checkpoint_step": ckpt_step, "steps": [ckpt_step, step], "batches": ranges,
+                 "world_size": trainer.world_size, "batch_size": int(getattr(trainer.datamodule, "batch_size", 0) or 0)}
+        record = rb.append_record(Path(trainer.default_root_dir), entry) if trainer.global_rank == 0 else None
+        self._emit(trainer, "warning", "loss_spike_rollback",
+                   f"{pending['text']}; rolled back to {Path(path).name} (step {ckpt_step}, verified): the updates of "
+                   f"steps {ckpt_step}..{step} are undone and their batches ("
+                   + ", ".join(f"{a}..{b} of epoch {e}" for e, a, b in ranges)
+                   + f") skipped, recorded in {rb.SKIP_FILE}; training goes on at step {step + 1}"
+                   + f" (rollback {self._rollbacks}/{self.max_rollbacks})",
+                   "a resume with this check on does not replay those batches; if spikes return, lower the LR",
+                   {**pending["details"], **entry, "record": str(record) if record else None}, step=step)
+
+    def _emit(self, trainer: Any, severity: str, code: str, message: str, advice: str, details: dict,
+              step: int | None = None) -> Finding:
+        step = trainer.global_step if step is None else step
+        n = self._counts[code] = self._counts.get(code, 0) + 1
+        if n == self.max_findings_per_code:
+            message += f" (further {code} findings are only counted)"
+        finding = Finding(self.name, severity, code, message, advice, step=step, rank=None, details=details)
+        if trainer.global_rank == 0 and (n <= self.max_findings_per_code or severity == "error"):
+            self.report(trainer, severity, code, message, advice, details, rank=None, step=step)
+        return finding
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
+            big = self._largest
+            self.report(trainer, "info", "loss_spike_summary",
+                        f"checked {self._checked} steps (policy={self.policy}); spikes: {counts}; largest score "
+                        f"{big['score']:.3g} (1 = spike) at step {big['step']} (robust z {big['z']:.3g} vs "
+                        f"{self.detector.z_threshold:g}, jump {big['jump']:.3g} vs {self.detector.min_rel_jump:g})",
+                        details={"steps_checked": self._checked, "counts": dict(self._counts), "largest": big,
+                                 "rollbacks": self._rollbacks}, rank=None)
+
+    # ---- state in checkpoints: the window survives a resume ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.detector.history)[-self.detector.window:], "rollbacks": self._rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.history.extend(tuple(r) for r in state.get("history", []))
+        self._rollbacks = int(state.get("rollbacks", 0))
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
