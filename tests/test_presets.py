@@ -13,6 +13,9 @@ from tests.shared_runs import healthy_run
 
 PRESETS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 SEVEN = {"reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify", "log_sync"}
+# issue 14: the forensics checks; all in debug=full, the cheap ones in debug=light
+FORENSICS = {"replica_parity", "loss_spike", "moe_router"}
+FORENSICS_LIGHT = {"loss_spike", "moe_router"}
 
 
 def _debug_callbacks(preset: str) -> set[str]:
@@ -30,8 +33,9 @@ def test_debug_none_adds_no_debug_callback(monkeypatch):
 
 def test_presets_select_the_right_checks(monkeypatch):
     monkeypatch.setenv("PROJECT_ROOT", str(REPO))
-    assert _debug_callbacks("full") == SEVEN
-    assert _debug_callbacks("light") == {"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync"}
+    assert _debug_callbacks("full") == SEVEN | FORENSICS
+    assert _debug_callbacks("light") == {"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync",
+                                         *FORENSICS_LIGHT}
     singles = {"repro": "reproducibility", "comm": "comm_debug", "grads": "grad_monitor", "data": "data_inspector",
                "profile": "profiler", "freeze": "freeze_verify", "logs": "log_sync"}
     for preset, callback in singles.items():
