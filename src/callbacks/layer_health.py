@@ -32,9 +32,9 @@ Example::
 
 | finding code | severity | when |
 |---|---|---|
-| ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's, ``patience`` checks in a row |
-| ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` update checks in a row |
-| ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and > ``explode_factor`` x the median layer's jump |
+| ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's, ``patience`` in a row |
+| ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
+| ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
 | ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
 """
 
@@ -66,7 +66,8 @@ class LayerHealth(DebugCallback):
         for key, value, ok, valid in (
             ("every_n_steps", every_n_steps, _int(every_n_steps, 0), "an int >= 0 (0 = no update ratios/metrics)"),
             ("grad_every_n_steps", grad_every_n_steps, _int(grad_every_n_steps, 1), "an int >= 1"),
-            ("vanish_ratio", vanish_ratio, _num(vanish_ratio) and 0 <= vanish_ratio < 1, "a number in [0, 1) (0 = off)"),
+            ("vanish_ratio", vanish_ratio, _num(vanish_ratio) and 0 <= vanish_ratio < 1,
+             "a number in [0, 1) (0 = off)"),
             ("ratio_floor", ratio_floor, _num(ratio_floor) and 0 <= ratio_floor < 1, "a number in [0, 1) (0 = off)"),
             ("patience", patience, _int(patience, 1), "an int >= 1"),
             ("explode_factor", explode_factor, _num(explode_factor) and (explode_factor == 0 or explode_factor > 1),
