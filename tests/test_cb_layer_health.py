@@ -175,7 +175,7 @@ def test_zero3_two_processes_values_match_full_tensors_and_name_the_block(tmp_pa
         # hidden 33: odd-sized norms, so ZeRO-3 pads rank 1's partitions (the padding must not count)
         "model.net._target_=tests.planted_layers.BlockLM", "model.net.hidden_size=33", "+model.net.scaled_block=1",
         "+callbacks.witness._target_=tests.planted_layers.LayerWitness", "+callbacks.witness.steps=[0,3]"]
-    proc = run_train(args, tmp_path, shared_cache)
+    proc = run_train(args, tmp_path, shared_cache, timeout=600)
     assert_ok(proc)
     run_dir = only_run_dir(tmp_path)
     found = _findings(run_dir)
