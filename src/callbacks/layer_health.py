@@ -1,0 +1,297 @@
+"""`LayerHealth`: layers that vanish, stall or explode RELATIVE to the rest of the net.
+
+grad_monitor's checks are absolute (a layer's norm < 1e-8, the global norm > max_norm); this
+one compares layers with each other and with their own history (issue 14, seed technique 3):
+- a layer whose gradient per element (RMS: ``sqrt(sum g^2 / numel)``, so a 4096 x 256
+  embedding and a 256-element norm weigh alike) is < ``vanish_ratio`` x the median layer's;
+- a layer whose update ratio ``|W_after - W_before| / |W_before|`` (measured around the optimizer
+  step) is < ``ratio_floor`` x the median layer's: AdamW normalises gradient scale, so a tiny
+  per-group LR shows only here;
+- a layer whose gradient norm jumped > ``explode_factor`` x its own history (geometric EMA,
+  after ``warmup_steps`` checks) while the median layer did not (a global jump is grad_monitor's).
+Layers are blocks (``model.layers.3``, grad_monitor's ``layer_of``): MoE experts that got no
+tokens are part of their block, so they do not look dead. Embedding rows of unseen tokens get
+no gradient: this dilutes its RMS by ~sqrt(seen rows / vocab), orders above ``vanish_ratio``.
+
+Strategies: gradients are read as grad_monitor reads them (``param.grad``; ZeRO-1/2 fp32
+fragments; ZeRO-3 local partitions); weights from ``param.data`` (ZeRO-1/2: the lp weights
+the all-gather refreshes after the step) or ZeRO-3's local partition ``ds_tensor`` (padding
+cut off). What is partitioned (per-layer sums of squares) is all-reduced ONCE per checked step,
+in ``on_train_batch_end``, on every rank; every decision uses the reduced values, rank 0
+writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
+The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
+
+Example::
+
+    python train.py +callbacks=layer_health callbacks.layer_health.every_n_steps=5 strategy=zero3 trainer=ddp_sim
+
+| metric key (every ``every_n_steps``) | meaning |
+|---|---|
+| ``layers/update_ratio/<layer>`` | ``|dW| / |W|`` of the layer's trainable weights over one optimizer step |
+| ``layers/grad_rel/<layer>`` | the layer's gradient RMS / the median layer's gradient RMS |
+
+| finding code | severity | when |
+|---|---|---|
+| ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's, ``patience`` in a row |
+| ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
+| ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
+| ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.callbacks.grad_monitor import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
+                                        local_param)
+from src.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class LayerHealth(DebugCallback):
+    name = "layer_health"
+
+    def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,
+                 ratio_floor: float = 1.0e-3, patience: int = 3, explode_factor: float = 10.0,
+                 ema_beta: float = 0.9, warmup_steps: int = 50, max_findings_per_code: int = 5) -> None:
+        super().__init__()
+        for key, value, ok, valid in (
+            ("every_n_steps", every_n_steps, _int(every_n_steps, 0), "an int >= 0 (0 = no update ratios/metrics)"),
+            ("grad_every_n_steps", grad_every_n_steps, _int(grad_every_n_steps, 1), "an int >= 1"),
+            ("vanish_ratio", vanish_ratio, _num(vanish_ratio) and 0 <= vanish_ratio < 1,
+             "a number in [0, 1) (0 = off)"),
+            ("ratio_floor", ratio_floor, _num(ratio_floor) and 0 <= ratio_floor < 1, "a number in [0, 1) (0 = off)"),
+            ("patience", patience, _int(patience, 1), "an int >= 1"),
+            ("explode_factor", explode_factor, _num(explode_factor) and (explode_factor == 0 or explode_factor > 1),
+             "a number > 1 (0 = off)"),
+            ("ema_beta", ema_beta, _num(ema_beta) and 0 < ema_beta < 1, "a number in (0, 1)"),
+            ("warmup_steps", warmup_steps, _int(warmup_steps, 1), "an int >= 1"),
+            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code, 1), "an int >= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.every_n_steps, self.grad_every_n_steps = every_n_steps, grad_every_n_steps
+        self.vanish_ratio, self.ratio_floor, self.patience = float(vanish_ratio), float(ratio_floor), patience
+        self.explode_factor, self.ema_beta, self.warmup_steps = float(explode_factor), float(ema_beta), warmup_steps
+        self.max_findings_per_code = max_findings_per_code
+        self._params: list[torch.Tensor] = []
+        self._pending: tuple | None = None
+        self._counts: dict[str, int] = {}
+
+    # ---- setup: every rank --------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        named = [(display_name(n), p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._source = grad_source(trainer.strategy)
+        numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
+        self.set_layers([layer_of(n) for n, _ in named], numel)
+        log.info("layer_health: %d layers, gradients from %s", len(self._layers), self._source)
+
+    def set_layers(self, param_layers: list[str], param_numel: list[float]) -> None:
+        """Per-parameter layer names and sizes -> the layer table and fresh detection state."""
+        self._layers = list(dict.fromkeys(param_layers))
+        index = {layer: i for i, layer in enumerate(self._layers)}
+        self._layer_idx = torch.tensor([index[n] for n in param_layers], dtype=torch.long)
+        self._numel = self.per_layer(torch.tensor(param_numel, dtype=torch.float64))
+        n = len(self._layers)
+        self._low_grad, self._low_update, self._seen = [0] * n, [0] * n, [0] * n
+        self._log_ema, self._exploding = [0.0] * n, set()
+        self._rel_hist: deque = deque(maxlen=1000)
+        self._upd_hist: deque = deque(maxlen=1000)
+        self._closest = {"min_grad_rel": math.inf, "min_update_rel": math.inf, "max_explode_ratio": 0.0}
+
+    def per_layer(self, per_param: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(self._layers), dtype=torch.float64)
+        return out.index_add_(0, self._layer_idx, per_param.double())
+
+    # ---- measure: local, every rank (no collective) ---------------------------------------
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self._params or not _at_accumulation_boundary(trainer):
+            return
+        step = trainer.global_step
+        update = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        if not update and step % self.grad_every_n_steps:
+            return
+        grads = [_valid(local_grad(p, self._source), p) for p in self._params]
+        snapshot = w_sq = None
+        if update:  # this rank's weights before the update (ZeRO-3: its partition only)
+            weights = [_valid(local_param(p), p) for p in self._params]
+            w_sq = _sumsq(weights)
+            snapshot = [w.detach().clone() for w in weights]
+        self._pending = (step, self.per_layer(_sumsq(grads)), snapshot, w_sq)
+
+    # ---- reduce + judge: EVERY rank (same step, same decision inputs) -----------------------
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending is None:
+            return
+        step, g_sq, snapshot, w_sq = self._pending
+        self._pending = None
+        dw_sq = None
+        if snapshot is not None:  # after the step (ZeRO-1/2: after the all-gather of lp weights)
+            after = [_valid(local_param(p), p) for p in self._params]
+            torch._foreach_sub_(snapshot, [a.detach() for a in after])
+            dw_sq, w_sq = self.per_layer(_sumsq(snapshot)), self.per_layer(w_sq)
+            del snapshot, after  # free the copy now
+        parts = [g_sq] if self._source != "replicated" else []
+        if dw_sq is not None and self._source == "zero3":
+            parts += [dw_sq, w_sq]
+        if parts and trainer.world_size > 1:  # COLLECTIVE, every rank, once per checked step
+            vec = trainer.strategy.reduce(torch.cat(parts).to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            n = len(self._layers)
+            g_sq = vec[:n]
+            if len(parts) == 3:
+                dw_sq, w_sq = vec[n:2 * n], vec[2 * n:]
+        self.check(trainer, step, g_sq, dw_sq, w_sq)
+
+    def check(self, trainer: Any, step: int, g_sq: torch.Tensor, dw_sq: torch.Tensor | None = None,
+              w_sq: torch.Tensor | None = None) -> list[tuple[str, str]]:
+        """Judge one step from per-layer (all-reduced) sums of squares; returns [(code, layer)] reported."""
+        found = self.judge_grads(g_sq)
+        ratios = None
+        if dw_sq is not None:
+            ratios = [math.sqrt(d / w) if w > 0 else None for d, w in zip(dw_sq.tolist(), w_sq.tolist())]
+            found += self.judge_updates(ratios)
+        if ratios is not None and trainer is not None and trainer.global_rank == 0:
+            metrics = {f"layers/grad_rel/{k}": v for k, v in zip(self._layers, self._rel_hist[-1]) if v is not None}
+            metrics.update({f"layers/update_ratio/{k}": v for k, v in zip(self._layers, ratios) if v is not None})
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=step)
+        for code, i, message, advice, details in found:
+            self._emit(trainer, step, code, message, advice, {"layer": self._layers[i], **details})
+        return [(code, self._layers[i]) for code, i, *_ in found]
+
+    def judge_grads(self, g_sq: torch.Tensor) -> list[tuple]:
+        sq = [v if math.isfinite(v) else math.nan for v in g_sq.tolist()]  # NaN/Inf: grad_monitor's job
+        rms = [math.sqrt(s / n) if n > 0 and s == s else math.nan for s, n in zip(sq, self._numel.tolist())]
+        finite = [r for r in rms if r == r]
+        med = statistics.median(finite) if finite else 0.0
+        rel = [r / med if med > 0 and r == r else None for r in rms]
+        self._rel_hist.append(rel)
+        found = []
+        if self.vanish_ratio > 0 and med > 0:
+            for i, r in enumerate(rel):
+                self._low_grad[i] = self._low_grad[i] + 1 if r is not None and r < self.vanish_ratio else 0
+                if r is not None:
+                    self._closest["min_grad_rel"] = min(self._closest["min_grad_rel"], r)
+                if self._low_grad[i] == self.patience:
+                    found.append(("layer_grad_vanishing_relative", i,
+                                  f"layer {self._layers[i]}'s gradient is {r:.2g} x the median layer's per element "
+                                  f"(RMS {rms[i]:.3g} vs {med:.3g}, norm {math.sqrt(sq[i]):.3g}) for {self.patience} "
+                                  f"checks in a row, below vanish_ratio={self.vanish_ratio:g}",
+                                  "this block barely takes part: look for an output scaled towards 0 (residual or "
+                                  "gate scale, init), a saturated activation or a detached input; AdamW hides it in "
+                                  "the update until eps dominates",
+                                  {"grad_rel": r, "rms": rms[i], "median_rms": med, "norm": math.sqrt(sq[i])}))
+        return found + (self.judge_explosion([math.sqrt(s) for s in sq]) if self.explode_factor > 0 else [])
+
+    def judge_explosion(self, norms: list[float]) -> list[tuple]:
+        ratios = {i: n / math.exp(self._log_ema[i]) for i, n in enumerate(norms)
+                  if n == n and n > 0 and self._seen[i] >= self.warmup_steps}
+        med = max(1.0, statistics.median(ratios.values())) if ratios else 1.0
+        flagged = {i for i, r in ratios.items() if r > self.explode_factor * med}
+        found = []
+        for i in sorted(flagged - self._exploding):
+            found.append(("layer_grad_exploding", i,
+                          f"layer {self._layers[i]}'s gradient norm {norms[i]:.4g} is {ratios[i]:.3g} x its own "
+                          f"history (EMA {math.exp(self._log_ema[i]):.4g}) while the median layer is at {med:.3g} x, "
+                          f"above explode_factor={self.explode_factor:g}",
+                          "a local blow-up: a hook or custom op scaling that block's gradient, attention logits or "
+                          "a router growing, a bad init; grad_monitor's global norm may not show it yet",
+                          {"norm": norms[i], "ema": math.exp(self._log_ema[i]), "ratio": ratios[i],
+                           "median_ratio": med}))
+        for i, r in ratios.items():
+            if i not in flagged:
+                self._closest["max_explode_ratio"] = max(self._closest["max_explode_ratio"], r / med)
+        self._exploding = flagged  # a layer is reported again only after it calmed down
+        for i, n in enumerate(norms):
+            if n == n and n > 0 and i not in flagged:  # flagged values stay out of the history
+                x = math.log(n)
+                self._log_ema[i] = x if self._seen[i] == 0 else self._log_ema[i] + (1 - self.ema_beta) * (
+                    x - self._log_ema[i])
+                self._seen[i] += 1
+        return found
+
+    def judge_updates(self, ratios: list[float | None]) -> list[tuple]:
+        self._upd_hist.append(ratios)
+        known = [r for r in ratios if r is not None and math.isfinite(r)]
+        med = statistics.median(known) if known else 0.0
+        if med <= 0 or self.ratio_floor <= 0:  # a skipped step (no update anywhere): nothing to compare
+            return []
+        found = []
+        for i, r in enumerate(ratios):
+            low = r is not None and r < self.ratio_floor * med
+            self._low_update[i] = self._low_update[i] + 1 if low else 0
+            if r is not None:
+                self._closest["min_update_rel"] = min(self._closest["min_update_rel"], r / med)
+            if self._low_update[i] == self.patience:
+                found.append(("layer_update_negligible", i,
+                              f"layer {self._layers[i]} barely moves: update |dW|/|W| = {r:.3g} is {r / med:.2g} x "
+                              f"the median layer's ({med:.3g}) for {self.patience} update checks in a row, below "
+                              f"ratio_floor={self.ratio_floor:g}",
+                              "check the optimizer's param groups and per-layer LR (a group with a tiny lr, layer-wise "
+                              "LR decay gone wrong), weights that grew huge, or a layer the optimizer does not step",
+                              {"update_ratio": r, "median_ratio": med, "relative": r / med}))
+        return found
+
+    # ---- findings: rank 0 writes (every rank took the same decision) -----------------------
+    def _emit(self, trainer: Any, step: int, code: str, message: str, advice: str, details: dict) -> None:
+        n = self._counts[code] = self._counts.get(code, 0) + 1
+        if n == self.max_findings_per_code:
+            message += f" (further {code} findings are only counted)"
+        if n <= self.max_findings_per_code and (trainer is None or trainer.global_rank == 0):
+            self.report(trainer, "warning", code, f"step {step}: {message}", advice, details, rank=None, step=step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank != 0 or not self._params:
+            return
+        med_rel = _column_medians(self._rel_hist, len(self._layers))
+        med_upd = _column_medians(self._upd_hist, len(self._layers))
+        table = ", ".join(f"{k} {u:.2g}" for k, u in zip(self._layers, med_upd) if u is not None)
+        counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
+        self.report(trainer, "info", "layer_summary",
+                    f"{len(self._layers)} layers, {len(self._rel_hist)} gradient / {len(self._upd_hist)} update "
+                    f"checks; median update ratio per layer: {table or 'not measured'}; findings: {counts}",
+                    details={"layers": self._layers, "median_update_ratio": med_upd, "median_grad_rel": med_rel,
+                             "counts": dict(self._counts), "source": self._source,
+                             **{k: (v if math.isfinite(v) else None) for k, v in self._closest.items()}}, rank=None)
+
+
+def _column_medians(rows: deque, n: int) -> list[float | None]:
+    cols = [[r[i] for r in rows if r[i] is not None and math.isfinite(r[i])] for i in range(n)]
+    return [statistics.median(c) if c else None for c in cols]
+
+
+def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    """ZeRO-3 partitions are padded (ds_tensor's tail is uninitialised memory): keep this rank's real part."""
+    if t is None or not hasattr(p, "ds_tensor"):
+        return t
+    import deepspeed.comm as dist
+
+    part = p.ds_tensor.ds_numel
+    start = part * (dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0)
+    return t.reshape(-1).narrow(0, 0, max(0, min(part, p.ds_numel - start, t.numel())))
+
+
+def _sumsq(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    present = [i for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
+    out = torch.zeros(len(tensors), dtype=torch.float64)
+    if present:  # one fused pass (fp32 accumulation)
+        norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
+        out[present] = torch.stack(norms).double().cpu() ** 2
+    return out
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
