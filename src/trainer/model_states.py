@@ -55,7 +55,7 @@ def paper_bytes(strategy: str, psi: int, n: int, param_b: int = 2, grad_b: int =
 def layout_of(strategy: Any) -> tuple[str, int]:
     """(STRATEGIES key, ZeRO stage) of a live Lightning strategy (DeepSpeed ZeRO stage, else ddp)."""
     config = getattr(strategy, "config", None)
-    if not isinstance(config, dict) or "zero_optimization" not in config and not hasattr(strategy, "deepspeed_engine"):
+    if not hasattr(strategy, "deepspeed_engine") or not isinstance(config, dict):
         return "ddp", 0
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0) or 0)
@@ -71,11 +71,12 @@ def layout_of(strategy: Any) -> tuple[str, int]:
 def bytes_per_param(strategy: Any, module: Any) -> tuple[int, int, int]:
     """(param, grad, K) bytes for the paper formula: bf16/fp16 mixed precision -> 2, 2, 12; fp32 -> 4, 4, 8."""
     config = getattr(strategy, "config", None)
-    if isinstance(config, dict):
+    if hasattr(strategy, "deepspeed_engine") and isinstance(config, dict):
         half = any((config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
         return DTYPES["bf16" if half else "fp32"]
-    precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", "32"))
-    return DTYPES["bf16" if precision.endswith("true") and precision[:2] in ("bf", "16") else "fp32"]
+    precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", "32-true"))
+    # without DeepSpeed: *-mixed keeps fp32 weights (autocast); *-true half keeps Adam states in half too
+    return (2, 2, 4) if precision in ("bf16-true", "16-true") else DTYPES["fp32"]
 
 
 # ---- what a rank holds: a walk of the engine / optimizer / module -----------------------------
@@ -126,7 +127,9 @@ def held_bytes(strategy: Any, module: Any, optimizers: list) -> dict:
     DeepSpeed's partitions and buffers), each storage once. Local: no collective.
 
     Under DeepSpeed the roots are the engine, its ZeRO optimizer and the inner (basic) optimizer;
-    otherwise the module and the optimizers (``optimizer.state``). Activations are not reached."""
+    otherwise the module and the optimizers (``optimizer.state``). Activations are not reached.
+    ``total`` excludes communication buckets (``buckets``: e.g. ZeRO-3's reduce bucket, allocated up
+    front at ``reduce_bucket_size`` elements, 800 MB at DeepSpeed's default in fp32)."""
     engine = getattr(strategy, "deepspeed_engine", None) if hasattr(strategy, "deepspeed_engine") else None
     roots: list[tuple[str, object]] = [("params", list(module.parameters()))]  # ZeRO-3: p.ds_tensor, via vars(p)
     if engine is not None:
@@ -135,8 +138,12 @@ def held_bytes(strategy: Any, module: Any, optimizers: list) -> dict:
         roots += [(f"optimizer{i}", opt) for i, opt in enumerate(optimizers)]
     paths = structure_paths(roots)
     by_root: dict[str, int] = {}
+    buckets = 0
     for path, nbytes in paths.values():
+        if "bucket" in path:  # communication buffers (reduce/all-gather buckets): sized by config, not by Psi
+            buckets += nbytes
+            continue
         root = path.split(".", 1)[0].split("[", 1)[0]
         by_root[root] = by_root.get(root, 0) + nbytes
     largest = sorted(((p, b) for p, b in paths.values()), key=lambda pb: -pb[1])[:5]
-    return {"total": sum(by_root.values()), "by_root": by_root, "largest": largest}
+    return {"total": sum(by_root.values()), "buckets": buckets, "by_root": by_root, "largest": largest}
