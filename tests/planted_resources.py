@@ -49,6 +49,6 @@ class SlowFrom(Callback):
     def __init__(self, step: int, seconds: float = 0.3) -> None:
         self.step, self.seconds = step, seconds
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:  # inside the step: slow compute
         if trainer.global_step >= self.step:
             time.sleep(self.seconds)

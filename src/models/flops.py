@@ -31,16 +31,20 @@ def active_params(net: Any) -> tuple[int, int]:
     """
     cfg = getattr(net, "config", None)
     get_emb = getattr(net, "get_input_embeddings", None)
-    embedding = get_emb().weight.numel() if callable(get_emb) else 0
-    total = sum(p.numel() for p in net.parameters()) - embedding
+    embedding = _numel(get_emb().weight) if callable(get_emb) else 0
+    total = sum(_numel(p) for p in net.parameters()) - embedding
     routed = 0
     for layer in getattr(getattr(net, "model", None), "layers", None) or ():
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None:
-            routed += sum(p.numel() for p in experts.parameters())
+            routed += sum(_numel(p) for p in experts.parameters())
     k, e = getattr(cfg, "num_experts_per_tok", 0) or 0, getattr(cfg, "n_routed_experts", 0) or 0
     inactive = routed * (1 - k / e) if e else 0
     return total, int(total - inactive)
+
+
+def _numel(p: Any) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 partitions params: p.numel() is 0 there
 
 
 def flops_per_token(net: Any, seq_len: int) -> float:
