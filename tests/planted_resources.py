@@ -4,12 +4,13 @@
 (keeps ``mb`` MB alive per step from ``step`` on, like a list of losses with their graphs),
 ``model.net._target_=tests.planted_resources.OOMAtStep +model.net.step=3`` (forward raises
 CUDA's out-of-memory error at training step ``step``), ``+callbacks.planted._target_=
-tests.planted_resources.SlowFrom +callbacks.planted.step=8`` (every step sleeps ``seconds`` from
-``step`` on: a node that slows down).
+tests.planted_resources.SlowFrom +callbacks.planted.step=8`` (from ``step`` on every step takes
+``1 + factor`` times as long: a node that slows down).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -46,9 +47,21 @@ class OOMAtStep(HealthyTinyLM):
 
 
 class SlowFrom(Callback):
-    def __init__(self, step: int, seconds: float = 0.3) -> None:
-        self.step, self.seconds = step, seconds
+    """From ``step`` on, each step also sleeps ``factor`` x the median of its own earlier steps (in
+    backward: slow compute), so the node is (1 + factor)x slower whatever the machine's load."""
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:  # inside the step: slow compute
-        if trainer.global_step >= self.step:
-            time.sleep(self.seconds)
+    def __init__(self, step: int, factor: float = 3.0) -> None:
+        self.step, self.factor = step, factor
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_step >= self.step and self.times:
+            time.sleep(self.factor * statistics.median(self.times))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step < self.step:
+            self.times.append(time.perf_counter() - self._t0)

@@ -111,13 +111,13 @@ def oom_advice(phase: str, layout: str, checkpointing: bool, batch_size: Any, se
         activations.append(f"halve data.batch_size (now {batch_size}) and double trainer.accumulate_grad_batches "
                            "to keep the global batch")
     if not checkpointing:
-        activations.append("turn on gradient checkpointing (a ds_config activation_checkpointing section, or "
-                           "net.gradient_checkpointing_enable()): activations are recomputed in backward")
+        activations.append("turn on gradient checkpointing (an activation_checkpointing section in a ds_config, "
+                           "docs/ds_config.md): activations are recomputed in backward")
     if isinstance(seq_len, int) and seq_len > 64:
         activations.append(f"shorten data.seq_len (now {seq_len})")
     states = []
     if stage < 3:
-        states.append(f"a higher ZeRO stage (strategy=zero{min(stage + 1, 3) if stage else 2} or zero3): "
+        states.append(f"a higher ZeRO stage ({'strategy=zero3' if stage == 2 else 'strategy=zero2 or zero3'}): "
                       "shards optimizer states, gradients, then parameters across ranks")
     if "offload" not in layout:
         states.append(f"offload to CPU (strategy={'zero3' if stage == 3 else 'zero2'}_offload)")

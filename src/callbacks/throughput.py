@@ -109,8 +109,8 @@ class Throughput(DebugCallback):
         self._counts: dict[str, int] = {}
         self._slow: list[tuple[int, float]] = []
         self._prev_end: float | None = None
-        self._start = self._fwd_end = None
-        self._interrupted = True  # no step window open yet (first batch, after validation)
+        self._start = self._fwd_end = self._val_start = None
+        self._val_s = 0.0  # validation time since the last batch end
         self._fpt: dict[int, float] = {}
         self._cuda = False
         self._peak: float | None = None
@@ -141,17 +141,22 @@ class Throughput(DebugCallback):
             self._fwd_end = time.perf_counter()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._interrupted = True  # the next step's gap holds validation: not a data wait
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._val_start is not None:  # the next step's gap holds validation: not a data wait
+            self._val_s += time.perf_counter() - self._val_start
+            self._val_start = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        end, start, prev = time.perf_counter(), self._start, self._prev_end
-        self._prev_end = end
-        interrupted, self._interrupted = self._interrupted, False
+        end, start, prev, val_s = time.perf_counter(), self._start, self._prev_end, self._val_s
+        self._prev_end, self._val_s = end, 0.0
         if start is None:
             return
         from src.trainer.integrity import SAVE_WINDOWS
 
-        gap = 0.0 if interrupted or prev is None else max(0.0, start - prev)
+        interrupted = prev is None  # the first step: its gap is the fit's start-up
+        gap = 0.0 if interrupted else start - prev - val_s  # validation and checkpoint saves are not data waits
         gap -= sum(e - s for s, e in SAVE_WINDOWS if prev is not None and s >= prev and e <= start)
         gap = max(gap, 0.0)
         step_s = (end - start) + gap
