@@ -68,11 +68,16 @@ GB, MB = 2**30, 2**20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_STATM: tuple[int, int] | None = None  # (pid, open fd of /proc/self/statm): re-read with pread, ~5x cheaper
+
+
 def rss_bytes() -> int:
     """Current resident set size of this process (Linux /proc; psutil elsewhere)."""
+    global _STATM
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+        if _STATM is None or _STATM[0] != os.getpid():
+            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
     except OSError:
         import psutil
 
@@ -192,8 +197,8 @@ class MemoryMonitor(DebugCallback):
         if step < self.warmup_steps or self._leak_reported:
             return
         self._samples.append((step, int(now["allocated" if self._cuda else "rss"])))
-        if len(self._samples) < self.growth_window:
-            return
+        if len(self._samples) < self.growth_window or step % max(1, self.growth_window // 10):
+            return  # the fit every window/10 steps: ~free per step
         slope, share = growth(list(self._samples))
         if slope > self.growth_mb_per_step and share >= self.growth_min_share:
             self._leak_reported = True  # once per run: a leak keeps leaking
