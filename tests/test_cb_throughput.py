@@ -95,3 +95,19 @@ def test_slowdown_from_step_8_is_throughput_drop_and_summary(tmp_path, shared_ca
     assert "GPU utilisation not judged (CPU run)" in summary["message"]
     rows = (tmp_path / "run" / "csv" / "metrics.csv").read_text().splitlines()
     assert "throughput/tokens_per_s" in rows[0] and "throughput/mfu" in rows[0]
+
+
+def test_comm_heavy_reads_comm_debugs_tracker_only_when_it_exists(monkeypatch):
+    from src.callbacks.comm_debug import CommTracker
+
+    cb = Throughput(window=3)
+    seen = []
+    monkeypatch.setattr(cb, "report", lambda trainer, sev, code, msg, *a, **k: seen.append((code, msg)))
+    cb._fwd_end = 10.0
+    monkeypatch.setattr(CommTracker, "_instance", None)
+    assert cb._comm_ratio(9.0, 12.0) is None  # no comm measurement: not judged
+    monkeypatch.setattr(CommTracker, "_instance", SimpleNamespace(busy_s=lambda lo, hi: 0.5 if (lo, hi) == (10.0, 12.0) else 0))
+    assert cb._comm_ratio(9.0, 12.0) == 0.5  # 0.5 s of sync after a 1 s forward
+    cb._ratios.extend([0.1, 0.5, 0.6])
+    cb._judge(_Trainer(), 7, 1.0)
+    assert [c for c, _ in seen] == ["comm_heavy"] and "gradient sync takes 50% of its forward time" in seen[0][1]
