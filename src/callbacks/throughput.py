@@ -13,8 +13,8 @@ How it measures, per step, with ``time.perf_counter`` only (no device sync, no c
 - tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
 - MFU = tokens/s x training FLOPs per token (``src.models.flops``: 6 x active params +
   attention) / peak: on GPU the dense bf16 spec number by device name
-  (``src.models.flops.GPU_PEAK_TFLOPS``), on CPU fp32 ``torch.mm`` measured once at setup
-  (~0.3 s, cached per process); ``peak_tflops`` overrides both;
+  (``src.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
+  (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
 - comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
   (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
   only when ``comm_debug`` runs with ``measure_comm: true`` (or its hang watchdog); without it
@@ -128,8 +128,9 @@ class Throughput(DebugCallback):
             self._peak_source = f"{name} dense bf16 spec" if self._peak else f"{name}: not in the table (set peak_tflops)"
         else:
             if _CPU_PEAK is None:
-                _CPU_PEAK = measure_peak_flops(seconds=0.2, n=1024)
-            self._peak, self._peak_source = _CPU_PEAK, "measured fp32 torch.mm on this process's threads"
+                _CPU_PEAK = measure_peak_flops(seconds=0.3, n=512, best=True)
+            self._peak, self._peak_source = _CPU_PEAK, (f"measured: fastest fp32 torch.mm on this process's "
+                                                         f"{torch.get_num_threads()} thread(s)")
 
     # ---- per step: every rank, local clocks only ----------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
