@@ -27,47 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-
-def active_params(net: Any) -> tuple[int, int]:
-    """(total, active per token) parameters, input embedding excluded from both.
-
-    A MoE layer's routed experts count with weight top_k / n_routed (DeepSeek's
-    ``mlp.experts``); shared experts, the router and everything else count fully.
-    """
-    cfg = net.config
-    embedding = net.get_input_embeddings().weight.numel()
-    total = sum(p.numel() for p in net.parameters()) - embedding
-    routed = 0
-    for layer in net.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            routed += sum(p.numel() for p in experts.parameters())
-    k, e = getattr(cfg, "num_experts_per_tok", 0) or 0, getattr(cfg, "n_routed_experts", 0) or 0
-    inactive = routed * (1 - k / e) if e else 0
-    return total, int(total - inactive)
-
-
-def flops_per_token(net: Any, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward)."""
-    cfg = net.config
-    _, active = active_params(net)
-    qk = getattr(cfg, "qk_nope_head_dim", 0) + getattr(cfg, "qk_rope_head_dim", 0) or cfg.hidden_size // cfg.num_attention_heads
-    v = getattr(cfg, "v_head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = 6 * seq_len * cfg.num_attention_heads * (qk + v) * cfg.num_hidden_layers
-    return 6 * active + attention
-
-
-def measure_peak_flops(seconds: float = 2.0, n: int = 2048) -> float:
-    """fp32 matmul FLOP/s on this machine with every core (torch's intra-op threads)."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        done += 1
-    return done * 2 * n ** 3 / (time.perf_counter() - start)
+# FLOPs/token and the measured CPU peak live in src (the throughput check computes MFU with them).
+from src.models.flops import active_params, flops_per_token, measure_peak_flops  # noqa: E402, F401
 
 
 def build_net(overrides: list[str]) -> tuple[Any, Any]:

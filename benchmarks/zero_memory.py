@@ -54,48 +54,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# The formula and the structure walk live in src (the memory check uses them on live runs).
+from src.trainer.model_states import DTYPES, STRATEGIES, paper_bytes  # noqa: E402
+from src.trainer.model_states import storage_key as _storage_key  # noqa: E402
+from src.trainer.model_states import structure_paths as _structure_paths  # noqa: E402
+
 # Model sizes: kwargs for build_deepseek_v3. "large" is ~5x the default tiny model (8.7M).
 SIZES = {
     "tiny": {},
     "large": {"hidden_size": 512, "num_hidden_layers": 8, "moe_intermediate_size": 384},
 }
-STRATEGIES = {
-    "ddp": {"stage": 0},
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3},
-    "zero2_offload": {"stage": 2, "offload_optimizer": True},
-    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_param": True},
-}
-# Bytes per parameter: low-precision params, grads, and K (optimizer states incl. fp32 master).
-DTYPES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
 CATEGORIES = ("params", "grads", "master", "adam", "buffers", "unreached")
 SEQ_LEN = 64  # tokens per step: enough that every routed expert gets tokens (so has a grad)
-
-
-def paper_bytes(strategy: str, psi: int, n: int, param_b: int = 2, grad_b: int = 2, k: int = 12) -> dict:
-    """Model-state bytes per rank from Rajbhandari et al. 2020 (mixed-precision Adam: 2, 2, K=12).
-
-    DDP (2+2+K)Psi; ZeRO-1 2Psi+2Psi+KPsi/N; ZeRO-2 2Psi+(2+K)Psi/N; ZeRO-3 (2+2+K)Psi/N.
-    Offload variants keep their stage's total and split it as ZeRO-Offload does: the fp32
-    optimizer states and the gradient partition go to the host (and, with param offload, the
-    parameter partition too); ``accelerator`` is what stays on the device.
-    """
-    if strategy not in STRATEGIES or n < 1 or psi < 0:
-        raise ValueError(f"paper_bytes({strategy!r}, psi={psi}, n={n}): strategy must be one of "
-                         f"{', '.join(STRATEGIES)}, n >= 1, psi >= 0")
-    stage = STRATEGIES[strategy]["stage"]
-    params = param_b * psi / (n if stage >= 3 else 1)
-    grads = grad_b * psi / (n if stage >= 2 else 1)
-    optim = k * psi / (n if stage >= 1 else 1)
-    total = params + grads + optim
-    offloaded = 0.0
-    if STRATEGIES[strategy].get("offload_optimizer"):
-        offloaded += optim + grads
-    if STRATEGIES[strategy].get("offload_param"):
-        offloaded += params
-    return {"params": params, "grads": grads, "optimizer": optim, "total": total,
-            "offloaded": offloaded, "accelerator": total - offloaded}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,50 +90,6 @@ def _live_storages() -> dict[int, int]:
         except Exception:  # half-built or exotic objects: not model state
             continue
     return out
-
-
-def _storage_key(t) -> int | None:
-    if t is None or t.is_meta:
-        return None
-    storage = t.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() else None
-
-
-def _structure_paths(roots: list[tuple[str, object]], max_depth: int = 8) -> dict[int, tuple[str, int]]:
-    """storage -> (shortest attribute path from the roots, breadth first, indices stripped; nbytes)."""
-    import collections
-    import re
-
-    import torch
-
-    walkable = ("deepspeed", "torch", "transformers", "src")
-    paths: dict[int, tuple[str, int]] = {}
-    seen: set[int] = set()
-    queue = collections.deque((obj, name, 0) for name, obj in roots)
-    while queue:
-        obj, path, depth = queue.popleft()
-        if id(obj) in seen or depth > max_depth:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            key = _storage_key(obj)
-            if key is not None and key not in paths:
-                paths[key] = (re.sub(r"\[[^\]]*\]", "[]", path), obj.untyped_storage().nbytes())
-            if obj.is_leaf and obj.grad is not None:
-                queue.append((obj.grad, path + ".grad", depth + 1))
-            children = vars(obj).items() if hasattr(obj, "__dict__") else ()
-        elif isinstance(obj, dict):
-            children = ((f"[{k}]" if isinstance(k, (str, int)) else "[]", v) for k, v in obj.items())
-        elif isinstance(obj, (list, tuple, set)):
-            children = ((f"[{i}]", v) for i, v in enumerate(obj))
-        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in walkable:
-            children = vars(obj).items()
-        else:
-            continue
-        for name, child in children:
-            sep = "" if str(name).startswith("[") else "."
-            queue.append((child, f"{path}{sep}{name}", depth + 1))
-    return paths
 
 
 def _categories(engine) -> dict[int, str]:

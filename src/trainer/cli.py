@@ -156,7 +156,20 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
 
     if isinstance(e, MisconfigurationException):
         return "bad_input", 2, f"{type(e).__name__}: {e}"
+    if is_out_of_memory(e):  # a resource limit, not a bug: one line (crash.json keeps the traceback)
+        return "out_of_memory", 1, (f"out of memory ({' '.join(str(e).split())[:160]}); try a smaller data.batch_size, "
+                                    "gradient checkpointing, a shorter data.seq_len, a higher ZeRO stage or offload "
+                                    "(+callbacks=memory orders them for this run: findings.jsonl, code oom)")
     return "crashed", 1, None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA and other accelerators), or the CPU allocator's failure."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
 
 
 def _record_crash(status: str, code: int, error: str, exc: BaseException) -> None:

@@ -1,0 +1,319 @@
+"""`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
+
+Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
+loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
+holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
+crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.
+
+- Memory is read locally, without syncs: on GPU ``torch.cuda.memory_allocated`` /
+  ``max_memory_allocated`` / ``max_memory_reserved``; on CPU the current RSS
+  (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
+- Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
+  grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
+  hold (``src.trainer.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
+  with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
+  the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
+  params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
+  separate fp32 master partition of ZeRO-1/2/3.
+- Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
+  slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
+  growing, is a leak. Each rank judges its own memory and names itself.
+- OOM: Lightning calls ``on_exception``; ``torch.OutOfMemoryError`` (CUDA) or CPU allocator
+  failures become an ``oom`` error naming the phase (forward/backward/optimizer/validation), the
+  peak, and what to change, activation remedies first for forward/backward, state remedies first
+  for the optimizer step.
+
+Rank awareness: sampling and growth are local (a rank reports its own leak). The model-state
+check runs ONE all-reduce (a world-size vector of held bytes) on every rank at the same step;
+rank 0 reports. The summary at the end runs one all-reduce of per-rank peaks on every rank.
+
+Example::
+
+    python train.py +callbacks=memory callbacks.memory.growth_mb_per_step=2 strategy=zero3 trainer=ddp_sim
+
+| metric key (every ``trainer.log_every_n_steps``, rank 0's values) | meaning |
+|---|---|
+| ``memory/rss_gb`` | current resident memory of the process (CPU) |
+| ``memory/peak_gb`` | peak: ``ru_maxrss`` on CPU, ``max_memory_allocated`` on GPU |
+| ``memory/allocated_gb`` / ``memory/reserved_gb`` | GPU only: allocated now / peak reserved by the caching allocator |
+| ``memory/model_states_gb`` / ``memory/model_states_expected_gb`` | once: held model-state bytes vs the formula |
+
+| finding code | severity | when |
+|---|---|---|
+| ``model_states_unexpected`` | warning | a rank holds > (1 + ``states_tolerance``) x the formula for the active stage |
+| ``memory_growth`` | warning | memory grows > ``growth_mb_per_step`` MB/step over ``growth_window`` steps (a leak) |
+| ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
+| ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
+| ``memory_summary`` | info | at the end: per-rank peak memory |
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+from collections import deque
+from typing import Any
+
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.errors import ConfigError
+from src.trainer.cli import is_out_of_memory
+from src.trainer.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
+
+log = logging.getLogger(__name__)
+GB, MB = 2**30, 2**20
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+_STATM: tuple[int, int] | None = None  # (pid, open fd of /proc/self/statm): re-read with pread, ~5x cheaper
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; psutil elsewhere)."""
+    global _STATM
+    try:
+        if _STATM is None or _STATM[0] != os.getpid():
+            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def growth(samples: list[tuple[int, int]]) -> tuple[float, float]:
+    """(least-squares slope in MB/step, share of step-over-step increases) of (step, bytes) samples."""
+    if len(samples) < 3:
+        return 0.0, 0.0
+    xs, ys = [s for s, _ in samples], [b / MB for _, b in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    ups = sum(b > a for a, b in zip(ys, ys[1:]))
+    return slope, ups / (len(ys) - 1)
+
+
+def expected_state_bytes(layout: str, psi: int, n: int, per_param: tuple[int, int, int],
+                         persistent: int = 0) -> dict:
+    """The paper's bytes per rank plus DeepSpeed's documented extras (see the module docstring)."""
+    param_b, grad_b, k = per_param
+    formula = paper_bytes(layout, psi, n, param_b, grad_b, k)
+    stage = 0 if layout == "ddp" else int(layout[4])
+    extra = param_b * persistent * (1 - 1 / n) if stage == 3 else 0.0  # persistent params: whole on every rank
+    if stage >= 1 and param_b == 4:
+        extra += 4 * psi / n  # fp32 run: ZeRO keeps a separate fp32 master partition besides the fp32 params
+    return {**formula, "extra": extra, "expected": formula["total"] + extra}
+
+
+def oom_advice(phase: str, layout: str, checkpointing: bool, batch_size: Any, seq_len: Any) -> list[str]:
+    """Seed-003 remedies, most useful first for this config and the phase that ran out."""
+    stage = 0 if layout == "ddp" else int(layout[4])
+    activations = []
+    if isinstance(batch_size, int) and batch_size > 1:
+        activations.append(f"halve data.batch_size (now {batch_size}) and double trainer.accumulate_grad_batches "
+                           "to keep the global batch")
+    if not checkpointing:
+        activations.append("turn on gradient checkpointing (an activation_checkpointing section in a ds_config, "
+                           "docs/ds_config.md): activations are recomputed in backward")
+    if isinstance(seq_len, int) and seq_len > 64:
+        activations.append(f"shorten data.seq_len (now {seq_len})")
+    states = []
+    if stage < 3:
+        states.append(f"a higher ZeRO stage ({'strategy=zero3' if stage == 2 else 'strategy=zero2 or zero3'}): "
+                      "shards optimizer states, gradients, then parameters across ranks")
+    if "offload" not in layout:
+        states.append(f"offload to CPU (strategy={'zero3' if stage == 3 else 'zero2'}_offload)")
+    if phase == "optimizer":
+        return states + activations
+    return activations + states
+
+
+class MemoryMonitor(DebugCallback):
+    name = "memory"
+
+    def __init__(self, every_n_steps: int = 1, warmup_steps: int = 20, growth_window: int = 50,
+                 growth_mb_per_step: float = 1.0, growth_min_share: float = 0.5, check_states_at_step: int = 1,
+                 states_tolerance: float = 0.1, on_error: str = "warn") -> None:
+        super().__init__(on_error)
+        for key, value, ok, valid in (
+            ("every_n_steps", every_n_steps, _int(every_n_steps, 0), "an int >= 0 (0 = no sampling)"),
+            ("warmup_steps", warmup_steps, _int(warmup_steps, 0), "an int >= 0"),
+            ("growth_window", growth_window, _int(growth_window, 3), "an int >= 3"),
+            ("growth_mb_per_step", growth_mb_per_step, _num(growth_mb_per_step) and growth_mb_per_step > 0,
+             "a number > 0"),
+            ("growth_min_share", growth_min_share, _num(growth_min_share) and 0 <= growth_min_share <= 1,
+             "a number in [0, 1]"),
+            ("check_states_at_step", check_states_at_step, _int(check_states_at_step, -1),
+             "an int >= 1, or -1 = off (Adam states exist after the first update)"),
+            ("states_tolerance", states_tolerance, _num(states_tolerance) and states_tolerance >= 0, "a number >= 0"),
+        ):
+            if not ok or (key == "check_states_at_step" and value == 0):
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.every_n_steps, self.warmup_steps, self.growth_window = every_n_steps, warmup_steps, growth_window
+        self.growth_mb_per_step, self.growth_min_share = float(growth_mb_per_step), float(growth_min_share)
+        self.check_states_at_step, self.states_tolerance = check_states_at_step, float(states_tolerance)
+        self._samples: deque[tuple[int, int]] = deque(maxlen=growth_window)
+        self._phase = "setup"
+        self._cuda = False
+        self._leak_reported = False
+        self._states: dict | None = None
+
+    # ---- local sampling (every rank, no collective, no sync) ---------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+
+    def _now(self) -> dict[str, float]:
+        if self._cuda:
+            dev = torch.device("cuda", torch.cuda.current_device())
+            return {"allocated": torch.cuda.memory_allocated(dev), "peak": torch.cuda.max_memory_allocated(dev),
+                    "reserved": torch.cuda.max_memory_reserved(dev)}
+        return {"rss": rss_bytes(), "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._phase = "forward"
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._phase = "backward"
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._phase = "optimizer"
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._phase = "validation"
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._phase = "between steps (logging, checkpointing, data loading)"
+        step = trainer.global_step
+        if not self.every_n_steps or step % self.every_n_steps:
+            return
+        now = self._now()
+        if trainer.global_rank == 0 and step % max(trainer.log_every_n_steps, 1) == 0:
+            metrics = {f"memory/{'rss' if k == 'rss' else k}_gb": v / GB for k, v in now.items()}
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=step)
+        if step < self.warmup_steps or self._leak_reported:
+            return
+        self._samples.append((step, int(now["allocated" if self._cuda else "rss"])))
+        if len(self._samples) < self.growth_window or step % max(1, self.growth_window // 10):
+            return  # the fit every window/10 steps: ~free per step
+        slope, share = growth(list(self._samples))
+        if slope > self.growth_mb_per_step and share >= self.growth_min_share:
+            self._leak_reported = True  # once per run: a leak keeps leaking
+            first, last = self._samples[0], self._samples[-1]
+            what = "allocated GPU memory" if self._cuda else "resident memory (RSS)"
+            self.report(trainer, "warning", "memory_growth",
+                        f"rank {trainer.global_rank}'s {what} grows {slope:.1f} MB/step over steps {first[0]}-"
+                        f"{last[0]} ({first[1] / MB:.0f} -> {last[1] / MB:.0f} MB, {share:.0%} of steps grew): "
+                        "something keeps tensors alive across steps",
+                        advice="look for lists/dicts that keep per-step tensors (append loss.detach() or "
+                               "loss.item(), not loss), caches keyed by step, hooks that store activations; "
+                               "torch.cuda.memory_snapshot() / tracemalloc show who allocates",
+                        details={"mb_per_step": slope, "share_growing": share, "window": list(self._samples)})
+
+    # ---- model states: EVERY rank, same step, one all-reduce ---------------------------------
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if (self._states is not None or self.check_states_at_step < 0
+                or trainer.global_step < self.check_states_at_step or not _at_accumulation_boundary(trainer)):
+            return
+        layout, stage = layout_of(trainer.strategy)
+        params = list(pl_module.parameters())
+        psi = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+        persistent = sum(int(p.ds_numel) for p in params if getattr(p, "ds_persist", False))
+        held = held_bytes(trainer.strategy, pl_module, trainer.optimizers)
+        per_param = bytes_per_param(trainer.strategy, pl_module)
+        n, rank = trainer.world_size, trainer.global_rank
+        exp = expected_state_bytes(layout, psi, n, per_param, persistent)
+        vec = torch.zeros(2 * n, dtype=torch.float64)
+        vec[rank], vec[n + rank] = held["total"], held["buckets"]
+        if n > 1:  # COLLECTIVE, every rank, once
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        per_rank, held["buckets_per_rank"] = vec[:n].tolist(), vec[n:].tolist()
+        self._states = {"layout": layout, "psi": psi, "per_rank": per_rank, **exp}
+        if rank == 0:
+            for lg in trainer.loggers:
+                lg.log_metrics({"memory/model_states_gb": per_rank[0] / GB,
+                                "memory/model_states_expected_gb": exp["expected"] / GB}, step=trainer.global_step)
+        if rank != 0:
+            return
+        self._report_states(trainer, layout, psi, per_rank, exp, per_param, held)
+
+    def _report_states(self, trainer: Any, layout: str, psi: int, per_rank: list[float], exp: dict,
+                       per_param: tuple, held: dict) -> None:
+        limit = exp["expected"] * (1 + self.states_tolerance)
+        over = [r for r, b in enumerate(per_rank) if b > limit]
+        n = len(per_rank)
+        terms = (f"params {exp['params'] / MB:.1f} + grads {exp['grads'] / MB:.1f} + optimizer "
+                 f"{exp['optimizer'] / MB:.1f} + extra {exp['extra'] / MB:.1f} MiB")
+        details = {"layout": layout, "psi": psi, "ranks": n, "bytes_per_param": per_param, "per_rank": per_rank,
+                   "expected": exp["expected"], "formula": exp["total"], "extra": exp["extra"],
+                   "rank0_by_root": held["by_root"], "rank0_largest": held["largest"]}
+        held_txt = ", ".join(f"rank {r} {b / MB:.1f}" for r, b in enumerate(per_rank))
+        buckets = max(held["buckets_per_rank"])
+        details["buckets_per_rank"] = held["buckets_per_rank"]
+        bucket_txt = (f"; besides, communication buckets hold {buckets / MB:.1f} MiB per rank "
+                      "(reduce/allgather_bucket_size)") if buckets else ""
+        if over:
+            ratio = max(per_rank) / exp["expected"] if exp["expected"] else math.inf
+            self.report(trainer, "warning", "model_states_unexpected",
+                        f"rank(s) {over} hold {ratio:.2f}x the model-state bytes {layout} should hold on {n} "
+                        f"rank(s) ({held_txt} MiB vs expected {exp['expected'] / MB:.1f} MiB = {terms}; "
+                        f"Psi={psi}): states are not partitioned as configured{bucket_txt}",
+                        advice="check the ZeRO stage really in effect (ds_config / strategy), "
+                               "stage3_param_persistence_threshold, and tensors kept beside the optimizer; "
+                               "details.rank0_largest names the biggest holders",
+                        details=details, rank=over[0] if len(over) == 1 else None)
+        else:
+            self.report(trainer, "info", "model_states",
+                        f"{layout} on {n} rank(s), Psi={psi}: held {held_txt} MiB vs expected "
+                        f"{exp['expected'] / MB:.1f} MiB ({terms}){bucket_txt}", details=details, rank=None)
+
+    # ---- OOM (the rank that ran out) ---------------------------------------------------------
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if not is_out_of_memory(exception):
+            return
+        layout, _ = layout_of(trainer.strategy)
+        net = getattr(pl_module, "net", pl_module)
+        checkpointing = bool(getattr(net, "is_gradient_checkpointing", False))
+        dm = getattr(trainer, "datamodule", None)
+        batch_size, seq_len = getattr(dm, "batch_size", None), getattr(dm, "seq_len", None)
+        advice = oom_advice(self._phase, layout, checkpointing, batch_size, seq_len)
+        peak = self._now()["peak"]
+        first = " ".join(str(exception).split())[:200]
+        self.report(trainer, "error", "oom",
+                    f"out of memory on rank {trainer.global_rank} in {self._phase} at step {trainer.global_step} "
+                    f"(peak {peak / GB:.2f} GB, {layout}, batch {batch_size} x seq {seq_len}, gradient "
+                    f"checkpointing {'on' if checkpointing else 'off'}): {first}",
+                    advice="; ".join(f"{i + 1}) {a}" for i, a in enumerate(advice)),
+                    details={"phase": self._phase, "peak_bytes": peak, "layout": layout, "remedies": advice})
+
+    # ---- summary: EVERY rank, one all-reduce --------------------------------------------------
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.every_n_steps:
+            return
+        n = trainer.world_size
+        vec = torch.zeros(n, dtype=torch.float64)
+        vec[trainer.global_rank] = self._now()["peak"]
+        if n > 1:  # COLLECTIVE, every rank
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        if trainer.global_rank == 0:
+            peaks = vec.tolist()
+            kind = "max_memory_allocated" if self._cuda else "peak RSS"
+            self.report(trainer, "info", "memory_summary",
+                        f"{kind} per rank: " + ", ".join(f"rank {r} {b / GB:.2f} GB" for r, b in enumerate(peaks)),
+                        details={"peak_bytes": peaks, "states": self._states}, rank=None)
+
+
+def _int(v: Any, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _at_accumulation_boundary(trainer: Any) -> bool:
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)  # Lightning calls the hook per micro-batch there
+    return engine is None or engine.is_gradient_accumulation_boundary()
