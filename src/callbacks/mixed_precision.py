@@ -6,29 +6,25 @@ NaN/Inf, not a too-high scale), a scale that collapsed to its floor (training ha
 stopped: every step is skipped or its gradients underflow), too many skipped steps over a window,
 and, for weights kept in bf16 without fp32 master copies, updates rounded away (|dw| < ~2^-8 |w|).
 
-Where the loss scale is read (a python number each optimizer step; no collective):
-- DeepSpeed fp16: ``engine.optimizer.loss_scaler`` (DynamicLossScaler: ``cur_scale``,
-  ``min_scale``, ``delayed_shift`` = hysteresis, ``scale_window``) and ``engine.skipped_steps``.
-  Already python numbers: no device sync.
-- Lightning ``16-mixed`` (torch ``GradScaler``): ``trainer.precision_plugin.scaler.get_scale()``;
-  a step was skipped iff the scale went down (GradScaler backs off on every inf step and only
-  then). One ``.item()`` per step on GPU, after GradScaler.step has already synchronised.
-- Anything else (fp32, bf16): no scaler, the loss-scale part does nothing.
-Every rank sees the same scale and skip flags (overflow is agreed across ranks by both), so every
-rank decides alike: rank 0 writes, every rank applies ``on_error`` (warn | stop; a skipped step
-is already skipped, so ``skip`` is refused).
+Where the loss scale is read (python numbers, after each optimizer step; no collective): DeepSpeed fp16
+from ``engine.optimizer.loss_scaler`` (DynamicLossScaler: ``cur_scale``, ``min_scale``, hysteresis
+``delayed_shift``, ``scale_window``) and ``engine.skipped_steps`` (no device sync); Lightning
+``16-mixed`` from ``trainer.precision_plugin.scaler.get_scale()`` -- a step was skipped iff the
+scale went down (GradScaler backs off on every inf step, only then); one ``.item()`` per step on
+GPU, after GradScaler.step has synchronised anyway. fp32/bf16: no scaler, that part is idle. The
+scale and skip flags are agreed across ranks by both scalers, so every rank decides alike: rank 0
+writes, every rank applies ``on_error`` (warn | stop; ``skip`` is refused: the step is skipped).
 
-bf16 update underflow (every ``every_n_steps``, rank 0, weights replicated): when the optimizer
-updates bf16 parameters itself (``trainer.precision=bf16-true``; not DeepSpeed, whose bf16
-optimizers keep fp32 master weights, nor ``bf16-mixed``, whose weights are fp32), it clones those
-weights before the step and counts the elements with a non-zero gradient that did not move at
-all: their update was below half a bf16 ulp of the weight. Cost: one copy of the bf16 weights per
-checked step. Gradient underflow: exact zeros are NOT used (embedding rows, idle MoE experts and
-dead units give structural zeros of 30-90%); the robust signal is the share of non-zero fp16
-gradient elements in fp16's subnormal range (|g| < 6.1e-5: they are losing bits and their smaller
-neighbours are flushed to 0). bf16 has fp32's exponent range, so bf16 gradients do not underflow
-in practice and are not judged. fp16 gradients only exist as such under DeepSpeed fp16 or fp16
-weights; torch AMP's parameter gradients are fp32 (its underflow shows as a low loss scale).
+bf16 update underflow (every ``every_n_steps``, rank 0: weights replicated): when the optimizer
+updates bf16 weights itself (``bf16-true``; not DeepSpeed, whose bf16 optimizers keep fp32
+masters, nor ``bf16-mixed``, fp32 weights), it clones them before the step and counts elements
+with a non-zero gradient that did not move (update < half a bf16 ulp). Cost: one copy of the
+bf16 weights per checked step. Gradient underflow: exact zeros are NOT used (embedding rows, idle
+experts and dead units give many structural zeros); the robust signal is the share of non-zero
+fp16 gradient elements below fp16's smallest normal (6.1e-5: losing bits, their smaller
+neighbours flushed to 0). bf16 has fp32's exponent range and is not judged; torch AMP's parameter
+gradients are fp32 (its underflow shows as a low loss scale), so this applies to fp16 gradients
+only (DeepSpeed fp16, fp16 weights).
 
 Example::
 
@@ -61,82 +57,19 @@ from typing import Any
 
 import torch
 
+from src.callbacks._loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
 from src.callbacks.base import DebugCallback
 from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
 from src.errors import ConfigError
 from src.findings import Finding
 
-__all__ = ["MixedPrecisionCheck", "read_scaler", "subnormal_fraction"]
+__all__ = ["MixedPrecisionCheck"]
 
 log = logging.getLogger(__name__)
-FP16_TINY = torch.finfo(torch.float16).tiny  # 6.1e-5, smallest normal fp16
 ADVICE = ("seed 002: keep dynamic loss scaling (DeepSpeed fp16.loss_scale=0) with loss_scale_window=1000 and "
           "hysteresis 2; lower initial_scale_power (16 -> 12) if the first steps all overflow; Adam eps=1e-8; "
           "gradient clipping max_norm=1.0 (optim.grad_clip); or switch to bf16 (trainer.precision=bf16-mixed: "
           "fp32's exponent range, no loss scaling)")
-
-
-class ScalerReader:
-    """Reads (scale, skipped this step) after each optimizer step, from DeepSpeed or torch's GradScaler."""
-
-    def __init__(self, kind: str, obj: Any) -> None:
-        self.kind, self.obj = kind, obj
-        self._prev_scale: float | None = None if kind == "deepspeed" else float(obj.get_scale())
-        self._prev_skipped = int(obj.skipped_steps) if kind == "deepspeed" else 0
-
-    def _ds_scaler(self) -> Any:
-        return getattr(self.obj.optimizer, "loss_scaler", None)
-
-    def scale(self) -> float:
-        if self.kind == "deepspeed":
-            s = self._ds_scaler()
-            return float(s.cur_scale if s is not None else self.obj.optimizer.cur_scale)
-        return float(self.obj.get_scale())
-
-    def min_scale(self) -> float | None:
-        s = self._ds_scaler() if self.kind == "deepspeed" else None
-        return float(s.min_scale) if s is not None and getattr(s, "dynamic", False) else None
-
-    def settings(self) -> dict:
-        if self.kind == "deepspeed":
-            s = self._ds_scaler()
-            return {k: getattr(s, a) for k, a in (("scale_window", "scale_window"), ("hysteresis", "delayed_shift"),
-                                                 ("min_scale", "min_scale")) if hasattr(s, a)}
-        return {"growth_interval": self.obj.get_growth_interval(), "backoff_factor": self.obj.get_backoff_factor()}
-
-    def read(self) -> tuple[float, bool]:
-        scale = self.scale()
-        if self.kind == "deepspeed":
-            total = int(self.obj.skipped_steps)
-            skipped, self._prev_skipped = total > self._prev_skipped, total
-        else:  # GradScaler: backoff (scale down) happens exactly on the steps it skipped
-            skipped = self._prev_scale is not None and scale < self._prev_scale
-        self._prev_scale = scale
-        return scale, skipped
-
-
-def read_scaler(trainer: Any) -> ScalerReader | None:
-    """The run's dynamic loss scaler, or None (fp32 / bf16 / static scale)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if isinstance(trainer.strategy, DeepSpeedStrategy):
-        engine = trainer.strategy.deepspeed_engine
-        return ScalerReader("deepspeed", engine) if engine.fp16_enabled() else None
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return ScalerReader("torch", scaler) if scaler is not None and scaler.is_enabled() else None
-
-
-def subnormal_fraction(grads: list[torch.Tensor]) -> tuple[float, int]:
-    """Share of non-zero fp16 gradient elements below fp16's smallest normal, and how many were counted."""
-    sub = nonzero = 0
-    for g in grads:
-        if g is None or g.dtype != torch.float16 or g.numel() == 0:
-            continue
-        a = g.detach().abs()
-        nz = a > 0
-        nonzero += int(nz.sum())
-        sub += int((nz & (a < FP16_TINY)).sum())
-    return (sub / nonzero if nonzero else 0.0), nonzero
 
 
 class MixedPrecisionCheck(DebugCallback):
