@@ -132,9 +132,10 @@ def test_bf16_weights_with_tiny_lr_updates_rounded_away(tmp_path, shared_cache):
                      run_dir, shared_cache)
     found = read_findings(run_dir, "mixed_precision")
     hits = [r for r in found if r["code"] == "bf16_update_underflow"]
-    assert [r["step"] for r in hits] == [2, 3, 4, 5] and hits[0]["severity"] == "warning"
+    assert [r["step"] for r in hits] == [2] and hits[0]["severity"] == "warning"  # once, then the summary
     assert hits[0]["details"]["fraction"] > 0.9 and "embed.weight" in hits[0]["message"]
-    assert one(found, "precision_summary")["details"]["bf16_weights"] > 0
+    summary = one(found, "precision_summary")["details"]
+    assert summary["bf16_weights"] > 0 and summary["worst_stale_fraction"] > 0.9
 
 
 @pytest.mark.slow

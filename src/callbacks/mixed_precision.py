@@ -43,7 +43,7 @@ Example::
 | ``overflow_streak`` | warning / error | ``streak_warn`` / ``streak_error`` consecutive skipped steps |
 | ``loss_scale_min`` | error | a step overflowed and the scale is at its floor (DeepSpeed ``min_scale``, else ``min_scale``) |
 | ``frequent_overflow`` | warning | > ``max_skip_fraction`` of the last ``window`` steps skipped (after ``warmup_steps``) |
-| ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``) |
+| ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``; once) |
 | ``grad_underflow`` | warning | > ``max_subnormal_fraction`` of non-zero fp16 gradient elements are subnormal |
 | ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, worst stale fraction |
 """
@@ -115,6 +115,7 @@ class MixedPrecisionCheck(DebugCallback):
         self._bf16: list[tuple[str, torch.nn.Parameter]] = []
         self._snap: list[torch.Tensor] | None = None
         self.worst_stale = (0.0, None)
+        self._stale_reported = False
 
     # ---- setup: every rank --------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -221,7 +222,8 @@ class MixedPrecisionCheck(DebugCallback):
         self._log(trainer, {"precision/bf16_stale_fraction": frac}, step)
         if frac > self.worst_stale[0]:
             self.worst_stale = (frac, step)
-        if frac > self.max_stale_fraction:
+        if frac > self.max_stale_fraction and not self._stale_reported:
+            self._stale_reported = True  # once: the summary carries the worst fraction and its step
             per.sort(reverse=True)
             lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
             self._report(trainer, "warning", "bf16_update_underflow",
@@ -258,8 +260,9 @@ class MixedPrecisionCheck(DebugCallback):
         stale = f", worst bf16 stale fraction {self.worst_stale[0]:.3g} at step {self.worst_stale[1]}" \
             if self._bf16 else ""
         self.report(trainer, "info", "precision_summary",
-                    f"precision {trainer.precision}, loss scaler {self.reader.kind if self.reader else 'none'}: "
-                    f"{self.skipped} of {self.steps} steps skipped{scales}{stale}",
+                    f"precision {trainer.precision}, "
+                    + (f"loss scaler {self.reader.kind}: {self.skipped} of {self.steps} steps skipped{scales}"
+                       if self.reader else "no loss scaler (nothing to track)") + stale,
                     details={"precision": str(trainer.precision), "scaler": self.reader.kind if self.reader else None,
                              "skipped_steps": self.skipped, "steps": self.steps,
                              "min_scale_seen": min(self._scales) if self._scales else None,
