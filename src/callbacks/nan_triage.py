@@ -1,0 +1,242 @@
+"""`NaNTriage`: when a step goes non-finite, re-run it once from the same state: transient or reproducible?
+
+Megatron-LM's rerun idea: a NaN that does not come back when the same step is computed again from
+the same weights, batch and RNG state is not a function of data and model -- suspect the hardware
+(silent data corruption), a race or a non-deterministic kernel; one that comes back is the data or
+the model, and the rerun names the first module whose output went non-finite.
+
+How (every rank, every optimizer step, before the update):
+- ``on_train_batch_start`` keeps a reference to the batch and the RNG states (CPU, CUDA): cheap.
+- ``on_before_backward`` notes whether this rank's loss is non-finite (a tensor, no sync).
+- ``on_before_optimizer_step`` (at the accumulation boundary) checks this rank's gradients in one
+  fused pass (``check_grads``; under ZeRO its local partition, as grad_monitor reads it) and fuses
+  the per-rank loss flags and the gradient flag into ONE all-reduce of ``world_size + 1`` numbers.
+- On a non-finite step, with ``rerun: true`` and fewer than ``max_reruns`` reruns so far, EVERY rank
+  reruns together (the decision comes from the all-reduced flags; ZeRO-3's forward gathers
+  parameters, a collective): RNG restored to the batch start, forward through the LightningModule's
+  loss with forward hooks that record the first module whose output is non-finite, and -- when the
+  loss was finite but the gradients were not -- ``torch.autograd.grad`` w.r.t. the parameters, which
+  leaves ``.grad`` and DeepSpeed's buffers alone (not under ZeRO-3: its backward hooks would
+  reduce-scatter; there the rerun is forward only and a gradient-only NaN stays unlabelled). A second
+  all-reduce (only on this rare step) combines the ranks' verdicts. The RNG state is put back after.
+  The weights have not been updated yet, so the rerun sees exactly the step's state.
+- Rank 0 writes the finding; every rank applies ``on_error`` (warn | skip: drop this update | stop).
+
+Off unless added (``+callbacks=nan_triage``); with ``rerun: false`` it only reports ``nan_step``.
+
+Example::
+
+    python train.py +callbacks=nan_triage callbacks.nan_triage.on_error=skip strategy=zero3 trainer=ddp_sim
+
+| finding code | severity | when |
+|---|---|---|
+| ``nan_transient`` | error | a non-finite step whose rerun was finite on every rank (label ``transient``) |
+| ``nan_reproducible`` | error | non-finite again on rerun (label ``reproducible``); names rank, batch, first module |
+| ``nan_step`` | error | a non-finite step not rerun (``rerun: false``, ``max_reruns`` used up, or ZeRO-3 gradient-only) |
+| ``nan_summary`` | info | at the end: non-finite steps and their labels |
+
+It logs no metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from src.callbacks.base import DebugCallback
+from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
+from src.errors import ConfigError
+from src.findings import Finding
+
+__all__ = ["NaNTriage"]
+
+log = logging.getLogger(__name__)
+
+
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _finite(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return not out.is_floating_point() or bool(torch.isfinite(out).all())
+    if isinstance(out, (tuple, list)):
+        return all(_finite(o) for o in out)
+    if hasattr(out, "values") and callable(out.values):  # dicts, HF ModelOutput
+        return all(_finite(o) for o in out.values())
+    return True
+
+
+class NaNTriage(DebugCallback):
+    name = "nan_triage"
+
+    def __init__(self, rerun: bool = True, max_reruns: int = 3, check_grads: bool = True,
+                 max_findings: int = 5, on_error: str = "warn") -> None:
+        super().__init__(on_error=on_error)
+        for key, v, ok, valid in (
+            ("rerun", rerun, isinstance(rerun, bool), "true, false"),
+            ("max_reruns", max_reruns, isinstance(max_reruns, int) and not isinstance(max_reruns, bool)
+             and max_reruns >= 1, "an int >= 1"),
+            ("check_grads", check_grads, isinstance(check_grads, bool), "true, false"),
+            ("max_findings", max_findings, isinstance(max_findings, int) and not isinstance(max_findings, bool)
+             and max_findings >= 1, "an int >= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"callbacks.{self.name}.{key}={v!r} is invalid; valid: {valid}")
+        self.rerun, self.max_reruns, self.check_grads = rerun, max_reruns, check_grads
+        self.max_findings = max_findings
+        self.reruns = 0
+        self.labels: dict[int, str] = {}  # step -> transient | reproducible | not_rerun
+        self._loss_bad: torch.Tensor | None = None
+        self._batch: Any = None
+        self._batch_idx: int | None = None
+        self._rng: tuple | None = None
+        self._params: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        self._source = grad_source(trainer.strategy)
+        self._modules = [(display_name(n), m) for n, m in pl_module.named_modules() if n]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
+        if self.rerun and self.reruns < self.max_reruns:
+            self._batch, self._rng = batch, _rng_state()  # a reference and ~5 KB: cheap
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+
+    # ---- the check: EVERY rank, same branches ----------------------------------------------
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not _at_accumulation_boundary(trainer):
+            return
+        world, rank = trainer.world_size, trainer.global_rank
+        vec = torch.zeros(world + 1, dtype=torch.float64)
+        vec[rank] = float(self._loss_bad) if self._loss_bad is not None else 0.0
+        self._loss_bad = None
+        if self.check_grads:
+            grads = [g for g in (local_grad(p, self._source) for p in self._params) if g is not None and g.numel()]
+            if grads:  # one fused pass; a NaN/Inf anywhere makes its norm non-finite
+                vec[world] = float(not torch.isfinite(torch.stack(torch._foreach_norm(grads, 2))).all())
+        if world > 1:  # COLLECTIVE, every rank, every step: one all-reduce of world+1 numbers
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        loss_ranks = [r for r, v in enumerate(vec[:world].tolist()) if v > 0]
+        grad_bad = bool(vec[world] > 0)
+        if not loss_ranks and not grad_bad:
+            return
+        step, batch_idx = trainer.global_step, self._batch_idx
+        what = (f"non-finite loss on rank(s) {loss_ranks}" if loss_ranks else
+                "finite loss on every rank but non-finite gradients")
+        where = f"step {step}, batch {batch_idx}"
+        if not self.rerun or self.reruns >= self.max_reruns or self._batch is None:
+            why = "rerun: false" if not self.rerun else f"max_reruns={self.max_reruns} used up"
+            return self._finish(trainer, pl_module, step, "not_rerun", "nan_step",
+                                f"{what} at {where}; not rerun ({why})",
+                                "grad_monitor names the parameters; on_error=skip drops such steps",
+                                {"loss_ranks": loss_ranks, "grad_nonfinite": grad_bad, "batch_idx": batch_idx},
+                                loss_ranks)
+        backward = not loss_ranks  # the loss was fine: the NaN arose in backward, rerun it too
+        if backward and self._source == "zero3":
+            return self._finish(trainer, pl_module, step, "not_rerun", "nan_step",
+                                f"{what} at {where}; not rerun (ZeRO-3: a backward rerun would go through "
+                                f"DeepSpeed's reduce-scatter hooks)", "grad_monitor names the parameters",
+                                {"loss_ranks": loss_ranks, "grad_nonfinite": grad_bad, "batch_idx": batch_idx},
+                                loss_ranks)
+        self.reruns += 1
+        bad_ranks, module_of = self._rerun(trainer, pl_module, backward)
+        details = {"loss_ranks": loss_ranks, "grad_nonfinite": grad_bad, "batch_idx": batch_idx,
+                   "rerun": "forward+backward" if backward else "forward", "rerun_nonfinite_ranks": bad_ranks,
+                   "rerun_index": self.reruns}
+        if not bad_ranks:
+            details["label"] = "transient"
+            return self._finish(
+                trainer, pl_module, step, "transient", "nan_transient",
+                f"{what} at {where}; TRANSIENT: the rerun from the same weights, batch and RNG state was finite "
+                f"on every rank, so it is not a function of data and model",
+                "suspect the hardware (silent data corruption), a race or a non-deterministic kernel: rerun the "
+                "step on another GPU/node (Megatron's rerun), check ECC/Xid logs, drain the node if it repeats; "
+                "on_error=skip drops this update", details, loss_ranks)
+        culprit = bad_ranks[0]
+        module = module_of.get(culprit)
+        details.update(label="reproducible", module=module, rank=culprit)
+        where_mod = (f"first non-finite module output: {module} (rank {culprit})" if module else
+                     "every module output finite: it arose in the loss or in backward")
+        self._finish(trainer, pl_module, step, "reproducible", "nan_reproducible",
+                     f"{what} at {where}; REPRODUCIBLE on rerun on rank(s) {bad_ranks}: {where_mod}",
+                     f"the data or the model: inspect batch {batch_idx} (data_inspector) and "
+                     f"{module or 'the loss'}'s inputs, initialisation and numerics (log/sqrt/div at 0, overflow "
+                     f"in low precision); lower the LR; on_error=skip drops this update",
+                     details, bad_ranks)
+
+    def _rerun(self, trainer: Any, pl_module: Any, backward: bool) -> tuple[list[int], dict[int, str]]:
+        """EVERY rank: recompute the step's loss (and gradients) from the saved batch/RNG; agree on the result."""
+        first: list[int] = []
+        index = {id(m): i for i, (_, m) in enumerate(self._modules)}
+
+        def hook(module: Any, inputs: Any, output: Any) -> None:
+            if not first and not _finite(output):
+                first.append(index[id(module)])
+
+        handles = [m.register_forward_hook(hook) for _, m in self._modules]
+        saved_rng = _rng_state()
+        _set_rng_state(self._rng)
+        plugin = getattr(trainer, "precision_plugin", None)
+        ctx = plugin.forward_context() if plugin is not None else nullcontext()
+        try:
+            with ctx, torch.set_grad_enabled(backward):
+                loss = self._loss(pl_module)
+                bad = not bool(torch.isfinite(loss.detach()).all())
+                if backward and not bad:
+                    grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+                    bad = not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+        finally:
+            for h in handles:
+                h.remove()
+            _set_rng_state(saved_rng)
+        world, rank = trainer.world_size, trainer.global_rank
+        vec = torch.zeros(2 * world, dtype=torch.float64)
+        vec[rank], vec[world + rank] = float(bad), float(first[0] + 1 if first else 0)
+        if world > 1:  # COLLECTIVE, every rank (all are in this branch): only on a rerun step
+            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        values = vec.tolist()
+        bad_ranks = [r for r in range(world) if values[r] > 0]
+        modules = {r: self._modules[int(values[world + r]) - 1][0] for r in range(world) if values[world + r] > 0}
+        return bad_ranks, modules
+
+    def _loss(self, pl_module: Any) -> torch.Tensor:
+        if hasattr(pl_module, "_losses"):  # src.models.lm_module: the step's loss without logging
+            return pl_module._losses(self._batch, training=False)[0]
+        out = pl_module.training_step(self._batch, self._batch_idx)
+        return out["loss"] if isinstance(out, dict) else out
+
+    def _finish(self, trainer: Any, pl_module: Any, step: int, label: str, code: str, message: str,
+                advice: str, details: dict, ranks: list[int]) -> None:
+        """EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
+        self.labels[step] = label
+        rank = ranks[0] if len(ranks) == 1 else None
+        if len(self.labels) == self.max_findings:
+            message += " (further non-finite steps are only counted)"
+        if len(self.labels) <= self.max_findings and trainer.global_rank == 0:
+            self.report(trainer, "error", code, message, advice, details, rank=rank)
+        else:
+            self._apply_policy(trainer, Finding(self.name, "error", code, message, advice, step=step, rank=rank))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank == 0 and self.labels:
+            counts = {lab: sum(1 for v in self.labels.values() if v == lab) for lab in set(self.labels.values())}
+            self.report(trainer, "info", "nan_summary",
+                        f"{len(self.labels)} non-finite step(s): " + ", ".join(f"{k} x{v}" for k, v in
+                                                                             sorted(counts.items()))
+                        + f"; {self.reruns} rerun(s)", details={"labels": {str(k): v for k, v in self.labels.items()},
+                                                                "reruns": self.reruns}, rank=None)
+

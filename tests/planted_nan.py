@@ -1,0 +1,33 @@
+"""Planted non-finite forwards for the nan_triage tests.
+
+``NaNOutput``: at ``step`` (on ``rank``, None = every rank) the output of module ``module`` becomes
+NaN -- on the first ``calls`` calls of that step only (``calls=1``: a transient fault, the rerun is
+finite), or on every call during the step (``calls=null``: reproducible, the rerun hits it again).
+``+callbacks.planted._target_=tests.planted_nan.NaNOutput +callbacks.planted.module=mlp.2
++callbacks.planted.step=3 +callbacks.planted.calls=1``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+
+class NaNOutput(Callback):
+    def __init__(self, module: str, step: int, calls: int | None = None, rank: int | None = None) -> None:
+        self.module, self.step, self.calls, self.rank = module, step, calls, rank
+        self.seen = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.trainer = trainer
+        modules = {(n[4:] if n.startswith("net.") else n): m for n, m in pl_module.named_modules()}
+        modules[self.module].register_forward_hook(self._poison)
+
+    def _poison(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        if t.global_step != self.step or not t.training or self.rank not in (None, t.global_rank):
+            return output
+        self.seen += 1
+        return output * float("nan") if self.calls is None or self.seen <= self.calls else output
