@@ -97,7 +97,8 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = json.loads((out / "zero2_x1" / "cell.json").read_text())
     assert [(f["round"], f["variant"]) for f in cell["fits"]] == [(0, "none"), (0, "light"), (1, "light"), (1, "none")]
-    debug = {"Reproducibility", "GradMonitor", "DataInspector", "CommDebug", "LogSync"}
+    debug = {"Reproducibility", "GradMonitor", "DataInspector", "CommDebug", "LogSync", "LossSpike", "MoERouter",
+             "MemoryMonitor", "Throughput", "MixedPrecisionCheck"}
     for fit in cell["fits"]:
         assert fit["window"] == (50 if fit["variant"] == "light" else 3)  # light's cadence is 50 steps
         assert len(fit["step_s"]) == 2 + fit["window"] and all(t > 0 for t in fit["step_s"])
@@ -107,7 +108,8 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
         assert "PreemptionCheckpoint" in fit["callbacks"]  # the framework's own callbacks stay in every variant
         # the stopwatch wrapped exactly the debug callbacks, and their hooks ran during the steps
         timed = set(fit["hook_s"])
-        assert timed == ({"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync"}
+        assert timed == ({"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync", "loss_spike",
+                          "moe_router", "memory", "throughput", "mixed_precision"}
                          if fit["variant"] == "light" else set()), timed
         if timed:
             assert all(sum(fit["hook_s"][cb][2:5]) > 0 for cb in ("grad_monitor", "data_inspector")), fit["hook_s"]
@@ -125,5 +127,5 @@ def test_each_variant_window_holds_its_cadences_a_whole_number_of_times(tmp_path
         return overhead.cadence_window(cfg, base)
     assert window("none") == 20
     assert window("light") == 50          # grad_monitor / data_inspector / log_sync every 50 steps
-    assert window("full") == 20           # every 10 steps at the callbacks' defaults
+    assert window("full") == 50           # replica_parity / mixed_precision every 50 steps, the rest every 1-10
     assert window("grad_monitor", base=25) == 30
