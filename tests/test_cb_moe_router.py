@@ -180,7 +180,7 @@ def _collapse_named(found: list[dict], step: int, tokens: int) -> None:
     first = collapse[0]
     assert first["step"] == step and first["step"] - 3 <= 5 and first["rank"] is None
     assert first["details"]["layer"] == 1 and first["details"]["experts"] == ["E0"]
-    assert first["details"]["token_frac"]["E0"] == 1.0 and first["details"]["tokens"] == tokens  # all ranks
+    assert first["details"]["tokens_frac"]["E0"] == 1.0 and first["details"]["tokens"] == tokens  # all ranks
     assert "router collapse in layer 1 over steps 4-5" in first["message"] and "E0 100%" in first["message"]
     summary = [r for r in found if r["code"] == "router_summary"][-1]
     share = summary["details"]["share"]["L1"]  # over the whole run: E0 is the busiest

@@ -210,7 +210,7 @@ class MoERouter(DebugCallback):
             top = ", ".join(f"E{x} {float(frac[x]):.0%}" for x in order[:4])
             hot = [x for x in order if float(frac[x]) >= self.collapse_tokens]
             spread = float(st["load_entropy"][i])
-            info = {"layer": layer, "tokens": toks, "token_frac": {f"E{x}": round(float(frac[x]), 4) for x in order},
+            info = {"layer": layer, "tokens": toks, "tokens_frac": {f"E{x}": round(float(frac[x]), 4) for x in order},
                     "load_entropy": spread, "imbalance": float(st["imbalance"][i])}
             if hot or spread < self.collapse_entropy:
                 why = (f"expert(s) {', '.join(f'E{x}' for x in hot)} chosen by >= {self.collapse_tokens:.0%} of tokens"
