@@ -88,7 +88,7 @@ class MoERouter(DebugCallback):
     name = "moe_router"
 
     def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,
-                 collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 2.5,
+                 collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 3.5,
                  imbalance_windows: int = 2, aux_rise: float = 0.5, aux_windows: int = 3,
                  max_findings_per_code: int = 5, on_error: str = "warn") -> None:
         if on_error == "skip":

@@ -232,7 +232,9 @@ class NaNTriage(DebugCallback):
             self._apply_policy(trainer, Finding(self.name, "error", code, message, advice, step=step, rank=rank))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.global_rank == 0 and self.labels:
+        if trainer.global_rank == 0 and not self.labels:
+            self.report(trainer, "info", "nan_summary", "no non-finite step", details={"reruns": 0}, rank=None)
+        elif trainer.global_rank == 0:
             counts = {lab: sum(1 for v in self.labels.values() if v == lab) for lab in set(self.labels.values())}
             self.report(trainer, "info", "nan_summary",
                         f"{len(self.labels)} non-finite step(s): " + ", ".join(f"{k} x{v}" for k, v in
