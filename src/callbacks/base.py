@@ -49,6 +49,23 @@ class DebugCallback(Callback):
             self._apply_policy(trainer, finding)
         return finding
 
+    def report_capped(self, trainer: Any, severity: str, code: str, message: str, advice: str = "",
+                      details: dict | None = None, rank: int | None = None, step: int | None | str = "self",
+                      limit: int = 5) -> None:
+        """Report a decision EVERY rank took alike: rank 0 writes; the ``limit``-th finding of a code says
+        that later ones are only counted (in ``self._counts``); an error still applies the policy on
+        every rank. Local: no collective."""
+        counts = self.__dict__.setdefault("_counts", {})
+        n = counts[code] = counts.get(code, 0) + 1
+        if n == limit:
+            message += f" (further {code} findings are only counted)"
+        if n <= limit and (trainer is None or trainer.global_rank == 0):
+            self.report(trainer, severity, code, message, advice, details, rank=rank, step=step)
+        elif severity == "error":
+            if step == "self":
+                step = trainer.global_step if trainer is not None else None
+            self._apply_policy(trainer, Finding(self.name, severity, code, message, advice, step=step, rank=rank))
+
     def _apply_policy(self, trainer: Any, finding: Finding) -> None:
         if trainer is None or self.on_error == "warn":
             return

@@ -50,7 +50,6 @@ import torch
 
 from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
-from src.findings import Finding
 
 log = logging.getLogger(__name__)
 
@@ -269,16 +268,10 @@ class GradMonitor(DebugCallback):
     def _emit(self, trainer: Any, pl_module: Any, severity: str, code: str, message: str, advice: str,
               details: dict, rank: int | None) -> None:
         """Called on EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
-        n = self._counts[code] = self._counts.get(code, 0) + 1
         if severity == "error" and self.on_error == "stop":
             pl_module.skip_optimizer_step = True  # keep the last good weights in the stop checkpoint
-        if n == self.max_findings_per_code:
-            message += f" (further {code} findings are only counted)"
-        if n <= self.max_findings_per_code and trainer.global_rank == 0:
-            self.report(trainer, severity, code, message, advice, details, rank=rank)
-        elif severity == "error":
-            self._apply_policy(trainer, Finding(self.name, severity, code, message, advice,
-                                                step=trainer.global_step, rank=rank))
+        self.report_capped(trainer, severity, code, message, advice, details, rank=rank,
+                           limit=self.max_findings_per_code)
 
     # ---- cadence: metrics (rank 0 logs), vanishing, histograms ----------------------------
     def _cadence(self, trainer: Any, pl_module: Any, grads: list, norm: float, sq: list[float],

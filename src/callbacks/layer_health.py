@@ -243,11 +243,8 @@ class LayerHealth(DebugCallback):
 
     # ---- findings: rank 0 writes (every rank took the same decision) -----------------------
     def _emit(self, trainer: Any, step: int, code: str, message: str, advice: str, details: dict) -> None:
-        n = self._counts[code] = self._counts.get(code, 0) + 1
-        if n == self.max_findings_per_code:
-            message += f" (further {code} findings are only counted)"
-        if n <= self.max_findings_per_code and (trainer is None or trainer.global_rank == 0):
-            self.report(trainer, "warning", code, f"step {step}: {message}", advice, details, rank=None, step=step)
+        self.report_capped(trainer, "warning", code, f"step {step}: {message}", advice, details, rank=None,
+                           step=step, limit=self.max_findings_per_code)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_rank != 0 or not self._params:

@@ -49,7 +49,6 @@ import torch
 
 from src.callbacks.base import DebugCallback
 from src.errors import ConfigError
-from src.findings import Finding
 from src.models.moe_aux import normalised_probs
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
@@ -267,15 +266,8 @@ class MoERouter(DebugCallback):
     def _emit(self, trainer: Any, pl_module: Any, severity: str, code: str, message: str, advice: str,
               details: dict) -> None:
         """Called on EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
-        n = self._counts[code] = self._counts.get(code, 0) + 1
-        if n == self.max_findings_per_code:
-            message += f" (further {code} findings are only counted)"
-        if n <= self.max_findings_per_code and trainer.global_rank == 0:
-            self.report(trainer, severity, code, message, advice, details, rank=None,
-                        step=trainer.global_step - 1)
-        elif severity == "error":
-            self._apply_policy(trainer, Finding(self.name, severity, code, message, advice,
-                                                step=trainer.global_step - 1, rank=None))
+        self.report_capped(trainer, severity, code, message, advice, details, rank=None,
+                           step=trainer.global_step - 1, limit=self.max_findings_per_code)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._moe is None:

@@ -69,7 +69,6 @@ import torch
 from src.callbacks.base import DebugCallback
 from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name
 from src.errors import ConfigError
-from src.findings import Finding
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
 
@@ -307,14 +306,7 @@ class ReplicaParity(DebugCallback):
     def _emit(self, trainer: Any, pl_module: Any, severity: str, code: str, message: str, advice: str,
               details: dict, rank: int | None) -> None:
         """Called on EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
-        n = self._counts[code] = self._counts.get(code, 0) + 1
-        if n == self.max_findings:
-            message += f" (further {code} findings are only counted)"
-        if n <= self.max_findings and trainer.global_rank == 0:
-            self.report(trainer, severity, code, message, advice, details, rank=rank)
-        elif severity == "error":
-            self._apply_policy(trainer, Finding(self.name, severity, code, message, advice,
-                                                step=trainer.global_step, rank=rank))
+        self.report_capped(trainer, severity, code, message, advice, details, rank=rank, limit=self.max_findings)
 
 
 def _torch_steps(opt: Any) -> float | None:
