@@ -11,7 +11,7 @@ with the zero_optimization dict Lightning's DeepSpeedStrategy(stage=2) produces,
 * raw: this file with ``--raw``, launched by torchrun: ``deepspeed.initialize`` and a for-loop
   (``engine(batch)`` / ``engine.backward`` / ``engine.step``); the loss is CE on shifted labels +
   0.01 x the MoE load-balancing loss, computed with the model-side helpers
-  (``src.models.moe_aux.RouterCapture`` / ``load_balancing_loss``), the same formula as
+  (``dsdebug.models.moe_aux.RouterCapture`` / ``load_balancing_loss``), the same formula as
   ``CausalLMModule._losses``. It prints the loss every 10 steps and stamps ``time.time()`` after
   every optimizer step from ``--warmup`` on.
 * framework: ``train.py debug=none strategy=zero2 trainer=cpu|ddp_sim trainer.max_steps=W+N
@@ -103,11 +103,11 @@ def raw_main(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from src.data.corpus import KJVCorpus
-    from src.data.datamodule import LMDataModule
-    from src.models.deepseek import build_deepseek_v3
-    from src.models.moe_aux import RouterCapture, load_balancing_loss
-    from src.trainer.optim import param_groups, warmup_cosine
+    from dsdebug.data.corpus import KJVCorpus
+    from dsdebug.data.datamodule import LMDataModule
+    from dsdebug.models.deepseek import build_deepseek_v3
+    from dsdebug.models.moe_aux import RouterCapture, load_balancing_loss
+    from dsdebug.models.optim import param_groups, warmup_cosine
 
     class LossModel(torch.nn.Module):
         """CE on shifted labels + AUX_COEF x MoE balance loss (the model-side helpers)."""

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsdebug.callbacks import is_debug_check
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 if str(REPO) not in sys.path:
@@ -83,7 +85,7 @@ class StepTimer:
 
 
 def time_hooks(callbacks: list[Any], timer: Any) -> dict[str, list[float]]:
-    """Wrap every hook the debug callbacks (``src.callbacks.*``) override with a stopwatch.
+    """Wrap every hook the debug callbacks (``dsdebug.callbacks.*``) override with a stopwatch.
 
     Returns callback name -> seconds spent in its hooks per training step (the step in progress
     when the hook ran, from ``timer``). Hook time and step time come from the same steps of the
@@ -97,7 +99,7 @@ def time_hooks(callbacks: list[Any], timer: Any) -> dict[str, list[float]]:
              and n not in ("state_key", "state_dict", "load_state_dict")]
     spent: dict[str, list[float]] = {}
     for cb in callbacks:
-        if not type(cb).__module__.startswith("src.callbacks."):
+        if not is_debug_check(type(cb).__module__):
             continue
         per_step = spent.setdefault(getattr(cb, "name", type(cb).__name__), [])
         for name in hooks:
@@ -121,9 +123,9 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Fit one variant in this process, as train.py would build it; return its step timings."""
     import lightning as L
 
-    from src.findings import configure_channel
-    from src.trainer.checkpoints import FinalCheckpoint
-    from src.trainer.entry import build, prepare_config
+    from dsdebug.findings import configure_channel
+    from dsdebug.checkpoint.checkpoints import FinalCheckpoint
+    from dsdebug.trainer.entry import build, prepare_config
 
     started = time.perf_counter()
     cfg = compose([*QUIET, *overrides], run_dir)

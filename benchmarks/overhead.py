@@ -342,8 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_configs(args: argparse.Namespace, out: Path) -> None:
     """Compose and validate every fit's config up front: a bad --override is one line, not a dead cell."""
-    from src.errors import ConfigError
-    from src.trainer.validate import validate_config
+    from dsdebug.errors import ConfigError
+    from dsdebug.config.validate import validate_config
 
     for cell in args.cells.split(","):
         for variant in args.variants.split(","):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 # FLOPs/token and the measured CPU peak live in src (the throughput check computes MFU with them).
-from src.models.flops import active_params, flops_per_token, measure_peak_flops  # noqa: E402, F401
+from dsdebug.models.flops import active_params, flops_per_token, measure_peak_flops  # noqa: E402, F401
 
 
 def build_net(overrides: list[str]) -> tuple[Any, Any]:

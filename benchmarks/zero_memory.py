@@ -1,6 +1,6 @@
 """Model-state bytes per rank under DDP and ZeRO-1/2/3 (+ offload), measured vs the ZeRO paper.
 
-What it does: builds the framework's DeepSeek-V3 (``src.models.deepseek.build_deepseek_v3``),
+What it does: builds the framework's DeepSeek-V3 (``dsdebug.models.deepseek.build_deepseek_v3``),
 wraps it with ``deepspeed.initialize`` (no Lightning: this is about DeepSpeed's partitioning),
 trains ``--steps`` optimizer steps on 1 or N real CPU processes (gloo, ``DS_ACCELERATOR=cpu``),
 then, after one more backward and before its optimizer step (params, grads and Adam states all
@@ -55,9 +55,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # The formula and the structure walk live in src (the memory check uses them on live runs).
-from src.trainer.model_states import DTYPES, STRATEGIES, paper_bytes  # noqa: E402
-from src.trainer.model_states import storage_key as _storage_key  # noqa: E402
-from src.trainer.model_states import structure_paths as _structure_paths  # noqa: E402
+from dsdebug.models.model_states import DTYPES, STRATEGIES, paper_bytes  # noqa: E402
+from dsdebug.models.model_states import storage_key as _storage_key  # noqa: E402
+from dsdebug.models.model_states import structure_paths as _structure_paths  # noqa: E402
 
 # Model sizes: kwargs for build_deepseek_v3. "large" is ~5x the default tiny model (8.7M).
 SIZES = {
@@ -163,7 +163,7 @@ def _snapshot(engine, spec: dict, base_total: int) -> dict:
 
 
 def _ds_config(spec: dict, hidden: int, dtype: str) -> dict:
-    bucket = hidden * hidden  # the framework's "auto" bucket rule (src/trainer/ds_config.py)
+    bucket = hidden * hidden  # the framework's "auto" bucket rule (src/config/ds_config.py)
     zero = {"stage": spec["stage"], "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             "stage3_prefetch_bucket_size": bucket,
             # 0 so ZeRO-3 partitions every param; DeepSpeed's default (1e5 elements) keeps small
@@ -185,7 +185,7 @@ def measure(strategy: str, model_kwargs: dict, steps: int, dtype: str = "bf16") 
     import deepspeed
     import torch
 
-    from src.models.deepseek import build_deepseek_v3
+    from dsdebug.models.deepseek import build_deepseek_v3
 
     spec = STRATEGIES[strategy]
     torch.manual_seed(0)

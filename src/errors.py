@@ -1,15 +1,62 @@
-"""The one error type for bad user input (config values, files, checkpoints).
+"""Error types and exit codes, in one place (the ground floor: imports nothing of ours).
 
-`train.py` catches it and prints exactly one line, ``error: <message>``, then exits with
-code 2. The message must name the config key or file and say what would be valid.
+Exit codes of a run (``train.py`` / ``dsdebug-train``):
+
+| code | status | raised by |
+|---|---|---|
+| 0 | ok (also: preempted and checkpointed) | |
+| 1 | crashed, rank_died, out_of_memory, a failed sweep job | a bug, a dead rank, an allocator failure |
+| 2 | bad_input | `ConfigError`: config values, files, checkpoints |
+| 3 | stopped_by_check | `StoppedByCheck`: a check with ``on_error=stop`` ended the run |
+
+User mistakes print exactly one line, ``error: <message>`` (rank 0 only), never a traceback;
+the message names the config key or file and says what would be valid.
 """
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+EXIT_OK, EXIT_CRASHED, EXIT_BAD_INPUT, EXIT_STOPPED_BY_CHECK = 0, 1, 2, 3
 
 
 class ConfigError(Exception):
     """Bad input from the user: one line, names the key/file, lists valid choices."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, message: str):
         # Errors are printed on one line; collapse any newlines a caller let through.
         super().__init__(" ".join(str(message).split()))
+
+
+class StoppedByCheck(Exception):
+    """A check with ``on_error=stop`` ended the run (after the final checkpoint was saved)."""
+
+    exit_code = EXIT_STOPPED_BY_CHECK
+
+    def __init__(self, finding: Any) -> None:
+        super().__init__(f"stopped by {finding.check}/{finding.code} at step {finding.step}: {finding.message}")
+
+
+def is_rank_zero() -> bool:
+    """Before any process group: the env vars Lightning's rank_zero_only reads, without importing it."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT, every_rank: bool = False) -> NoReturn:
+    """Print ``error: <message>`` on one line (rank 0 unless ``every_rank``) and exit with ``code``."""
+    if every_rank or is_rank_zero():
+        print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA and other accelerators), or the CPU allocator's failure."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))

@@ -129,7 +129,7 @@ PLANTS = {"double": "PlantedDoubleScaling", "gas": "PlantedEngineAccumulation"}
 
 
 def _planted_strategy(name: str) -> type:
-    from src.trainer.strategy import DebugDeepSpeedStrategy
+    from dsdebug.trainer.strategy import DebugDeepSpeedStrategy
 
     class PlantedDoubleScaling(DebugDeepSpeedStrategy):
         """Lightning's stock DeepSpeed backward: the engine scales by 1/gas on top of Lightning."""
@@ -161,9 +161,9 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     import lightning as L
 
     from benchmarks.harness import compose
-    from src.findings import configure_channel, get_channel
-    from src.trainer.checkpoints import FinalCheckpoint
-    from src.trainer.entry import build, prepare_config
+    from dsdebug.findings import configure_channel, get_channel
+    from dsdebug.checkpoint.checkpoints import FinalCheckpoint
+    from dsdebug.trainer.entry import build, prepare_config
 
     cfg = compose(overrides, run_dir)
     prepare_config(cfg)

@@ -106,7 +106,7 @@ def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from src.trainer.entry import train
+    from dsdebug.trainer.entry import train
 
     os.environ.setdefault("PROJECT_ROOT", str(REPO))
     os.environ["DSDEBUG_CACHE_DIR"] = str(cache)

@@ -39,7 +39,7 @@ EXTRA = {"wall_clock_breakdown.json": ["model._target_=tests.ds_config_corpus.Se
 
 def __getattr__(name: str) -> Any:  # Hydra's _target_ builds it lazily (Lightning is imported by then)
     if name == "SelfCallingLM":
-        from src.models.lm_module import CausalLMModule
+        from dsdebug.models.lm_module import CausalLMModule
 
         class SelfCallingLM(CausalLMModule):
             """A user's LightningModule: the step calls the module itself (``self(input_ids)``)."""
@@ -67,7 +67,7 @@ class Records(logging.Handler):
         self.lines: list[tuple[str, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith("src."):
+        if record.name.startswith("dsdebug."):
             self.lines.append((record.levelname, record.getMessage()))
 
 
@@ -75,9 +75,9 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
     import lightning as L
 
     from benchmarks.harness import compose
-    from src.findings import configure_channel
-    from src.trainer.checkpoints import FinalCheckpoint
-    from src.trainer.entry import build, prepare_config
+    from dsdebug.findings import configure_channel
+    from dsdebug.checkpoint.checkpoints import FinalCheckpoint
+    from dsdebug.trainer.entry import build, prepare_config
 
     records = Records()
     logging.getLogger().addHandler(records)

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
-from src.data.datamodule import LMDataModule, PackedBlocks
-from src.data.resumable import EpochShuffleSampler, ResumableDataLoader
+from dsdebug.data.datamodule import LMDataModule, PackedBlocks
+from dsdebug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 
 
 class UnseededNoise(nn.Module):

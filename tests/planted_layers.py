@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from src.callbacks.grad_monitor import display_name, layer_of
+from dsdebug.callbacks.grad_monitor import display_name, layer_of
 
 
 class BlockLM(nn.Module):

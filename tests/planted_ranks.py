@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from src.callbacks.base import DebugCallback
+from dsdebug.callbacks.base import DebugCallback
 
 
 class ReportOnRank(DebugCallback):

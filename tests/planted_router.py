@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from src.models.moe_aux import find_routers
+from dsdebug.models.moe_aux import find_routers
 
 
 class RouterBias(Callback):

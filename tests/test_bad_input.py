@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 from tests.conftest import CONF, FAST, REPO, error_lines, run_train
 
 CASES = {
@@ -44,8 +44,8 @@ CASES = {
                                   ["model.moe_aux_loss_coef='high' is invalid; valid: auto, or a number >= 0"]),
     "unknown_logger": (["logger=nope"], ["logger/nope", "csv, many, tensorboard, wandb"]),
     "required_value_unset": (["data=text_files"], ["data.source.paths is required", "data.source.paths='corpus/*.txt'"]),
-    "target_not_importable": (["model.net._target_=src.models.deepseek.build_deepseek_v4"],
-                              ["model.net._target_='src.models.deepseek.build_deepseek_v4'",
+    "target_not_importable": (["model.net._target_=dsdebug.models.deepseek.build_deepseek_v4"],
+                              ["model.net._target_='dsdebug.models.deepseek.build_deepseek_v4'",
                                "did you mean build_deepseek_v3"]),
     # the model must fit the data: checked from the config alone, before tokenizing or building
     "seq_len_over_model_max": (["data.seq_len=1024", "model.net.max_position_embeddings=512"],
@@ -169,12 +169,12 @@ def test_data_file_not_utf8(tmp_path, shared_cache):
 
 
 def test_target_in_a_missing_module_lists_what_exists():
-    from src.trainer.targets import target_problem
+    from dsdebug.config.targets import target_problem
 
-    assert target_problem("src.models.deepseek.build_deepseek_v3") is None
+    assert target_problem("dsdebug.models.deepseek.build_deepseek_v3") is None
     assert target_problem("torch.optim.AdamW") is None
     assert target_problem("lightning.pytorch.loggers.CSVLogger") is None
-    assert target_problem("src.models.nope.build") == "src.models has no 'nope'; valid: deepseek, flops, lm_module, moe_aux, moe_balance"
+    assert target_problem("dsdebug.models.nope.build") == "dsdebug.models has no 'nope'; valid: deepseek, flops, lm_module, moe_aux, moe_balance"
     assert target_problem("nosuchpkg.x").startswith("no module named 'nosuchpkg'")
 
 
@@ -185,9 +185,9 @@ def _compose(overrides):
 
 
 def test_global_batch_size_sets_the_per_rank_batch(monkeypatch, tmp_path):
-    from src.data.corpus import SyntheticCorpus
-    from src.data.datamodule import LMDataModule
-    from src.trainer.global_batch import apply_global_batch_size
+    from dsdebug.data.corpus import SyntheticCorpus
+    from dsdebug.data.datamodule import LMDataModule
+    from dsdebug.config.global_batch import apply_global_batch_size
 
     monkeypatch.setenv("PROJECT_ROOT", str(REPO))
     cfg = _compose(["trainer=ddp_sim", "trainer.accumulate_grad_batches=2", "data.global_batch_size=32"])
@@ -219,8 +219,8 @@ TEXT = "".join(f"Verse {i}: and the evening and the morning were the day number 
 
 def test_corrupt_tokenizer_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
     """A cache entry is only a cache: a damaged file in it is named in a warning and rebuilt."""
-    from src.data.corpus import TextFilesCorpus
-    from src.data.datamodule import LMDataModule
+    from dsdebug.data.corpus import TextFilesCorpus
+    from dsdebug.data.datamodule import LMDataModule
 
     (tmp_path / "corpus.txt").write_text(TEXT)
 
@@ -241,7 +241,7 @@ def test_corrupt_tokenizer_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
     for path, corrupt in damage.items():
         corrupt(path)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="src.data.tokenizer"):
+        with caplog.at_level(logging.WARNING, logger="dsdebug.data.tokenizer"):
             rebuilt = datamodule()
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and str(path) in warnings[0] and "rebuilding" in warnings[0], warnings

@@ -74,7 +74,7 @@ def test_rounds_alternate_order_and_overhead_is_the_median():
 def test_raw_constants_mirror_the_default_config(tmp_path):
     from omegaconf import OmegaConf
 
-    from src.trainer.strategy import DebugDeepSpeedStrategy
+    from dsdebug.trainer.strategy import DebugDeepSpeedStrategy
 
     cfg = harness.compose(["strategy=zero2"], tmp_path)
     net = OmegaConf.to_container(cfg.model.net, resolve=True)

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import scaling  # noqa: E402
 
-from src.models.deepseek import build_deepseek_v3  # noqa: E402
+from dsdebug.models.deepseek import build_deepseek_v3  # noqa: E402
 
 
 def _net(**kw):

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from src.callbacks._watchdog import HANG_EXIT_CODE, analyze
-from src.callbacks.comm_debug import CommDebug, CommTracker
-from src.errors import ConfigError
+from dsdebug.callbacks._watchdog import HANG_EXIT_CODE, analyze
+from dsdebug.callbacks.comm_debug import CommDebug, CommTracker
+from dsdebug.errors import ConfigError
 from tests.conftest import SMALL_DEEPSEEK, only_run_dir, run_train
 from tests.planted_comm import TWO_PROC, csv_column, read_findings
 from tests.shared_runs import healthy_run

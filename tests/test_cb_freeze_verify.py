@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from src.callbacks.freeze_verify import FreezeVerify
-from src.errors import ConfigError
-from src.findings import configure_channel
+from dsdebug.callbacks.freeze_verify import FreezeVerify
+from dsdebug.errors import ConfigError
+from dsdebug.findings import configure_channel
 from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, error_lines, run_train
 from tests.planted_grads import changed_params, one, read_findings, shared_run
 from tests.shared_runs import healthy_run

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.grad_monitor import GradMonitor, layer_of
-from src.errors import ConfigError
+from dsdebug.callbacks.grad_monitor import GradMonitor, layer_of
+from dsdebug.errors import ConfigError
 from tests.conftest import assert_ok, metrics
 from tests.planted_grads import changed_params, one, read_findings, shared_run
 from tests.shared_runs import healthy_run, planted_ddp_run
@@ -38,7 +38,7 @@ def test_layers_are_blocks_or_modules():
 
 
 def test_plain_optimizer_skip_leaves_weights_and_adam_state_untouched():
-    from src.models.lm_module import _arm_skip
+    from dsdebug.models.lm_module import _arm_skip
 
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)

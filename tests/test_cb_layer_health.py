@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.layer_health import LayerHealth
-from src.errors import ConfigError
-from src.findings import configure_channel
+from dsdebug.callbacks.layer_health import LayerHealth
+from dsdebug.errors import ConfigError
+from dsdebug.findings import configure_channel
 from tests.conftest import FAST, assert_ok, only_run_dir, run_train, train_in_process
 
 LAYERS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "lm_head"]

@@ -10,8 +10,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from src.callbacks.log_sync import LogSync, fill_wandb_sweep_identity, wandb_sweep_identity
-from src.errors import ConfigError
+from dsdebug.callbacks.log_sync import LogSync, fill_wandb_sweep_identity, wandb_sweep_identity
+from dsdebug.errors import ConfigError
 from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
 from tests.planted_comm import csv_column, read_findings, wandb_records
 from tests.shared_runs import healthy_run, planted_ddp_run

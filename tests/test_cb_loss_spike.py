@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from src.callbacks._spike_rollback import convert_range, exclusions_for_resume, position_ranges
-from src.callbacks.loss_spike import LossSpike, SpikeWindow
-from src.data.resumable import ResumableDataLoader, ResumePosition
-from src.errors import ConfigError
+from dsdebug.callbacks._spike_rollback import convert_range, exclusions_for_resume, position_ranges
+from dsdebug.callbacks.loss_spike import LossSpike, SpikeWindow
+from dsdebug.data.resumable import ResumableDataLoader, ResumePosition
+from dsdebug.errors import ConfigError
 from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process, train_losses
 from tests.planted_grads import changed_params, read_findings
 from tests.planted_spike import read_batches

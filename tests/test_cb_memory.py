@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.memory import MemoryMonitor, expected_state_bytes, growth, oom_advice
-from src.errors import ConfigError
-from src.trainer.model_states import bytes_per_param, held_bytes, layout_of
+from dsdebug.callbacks.memory import MemoryMonitor, expected_state_bytes, growth, oom_advice
+from dsdebug.errors import ConfigError
+from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
 from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
 
 SHORT = [a for a in FAST if not a.startswith("trainer.max_steps")] + ["export.fp32=false", "export.hf=false"]

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks._loss_scale import ScalerReader, subnormal_fraction
-from src.callbacks.mixed_precision import MixedPrecisionCheck
-from src.errors import ConfigError
-from src.findings import get_channel
+from dsdebug.callbacks._loss_scale import ScalerReader, subnormal_fraction
+from dsdebug.callbacks.mixed_precision import MixedPrecisionCheck
+from dsdebug.errors import ConfigError
+from dsdebug.findings import get_channel
 from tests.conftest import FAST, SMALL_DEEPSEEK, TINY_NET, train_in_process
 from tests.planted_grads import one, read_findings
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.moe_router import MoERouter, record_stats, window_stats
-from src.errors import ConfigError
-from src.findings import configure_channel
-from src.models.moe_aux import RouterRecord
+from dsdebug.callbacks.moe_router import MoERouter, record_stats, window_stats
+from dsdebug.errors import ConfigError
+from dsdebug.findings import configure_channel
+from dsdebug.models.moe_aux import RouterRecord
 from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, only_run_dir, run_train, train_in_process
 
 
@@ -132,7 +132,7 @@ def test_healthy_noise_is_silent(tmp_path):
 def test_listener_counts_every_token_and_off_means_no_hook():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from src.models.lm_module import CausalLMModule
+    from dsdebug.models.lm_module import CausalLMModule
 
     torch.manual_seed(0)
     net = Qwen2MoeForCausalLM(Qwen2MoeConfig(

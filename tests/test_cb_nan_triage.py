@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.callbacks.nan_triage import NaNTriage, _finite
-from src.errors import ConfigError
+from dsdebug.callbacks.nan_triage import NaNTriage, _finite
+from dsdebug.errors import ConfigError
 from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
 from tests.planted_grads import one, read_findings
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from src.callbacks.profiler import Profiler
-from src.errors import ConfigError
+from dsdebug.callbacks.profiler import Profiler
+from dsdebug.errors import ConfigError
 from tests.planted_data import cli_run, of
 from tests.shared_runs import healthy_run, read_findings
 

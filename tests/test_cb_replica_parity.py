@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.replica_parity import ReplicaParity, checksums, divergent
-from src.callbacks.reproducibility import _only
-from src.errors import ConfigError
-from src.findings import configure_channel
+from dsdebug.callbacks.replica_parity import ReplicaParity, checksums, divergent
+from dsdebug.callbacks.reproducibility import _only
+from dsdebug.errors import ConfigError
+from dsdebug.findings import configure_channel
 from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, only_run_dir, run_train
 from tests.planted_grads import one, read_findings
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.errors import ConfigError
-from src.findings import configure_channel
+from dsdebug.errors import ConfigError
+from dsdebug.findings import configure_channel
 from tests.conftest import error_lines, run_train, train_losses
 from tests.planted_data import cli_run, of
 from tests.shared_runs import healthy_run, read_findings
@@ -83,7 +83,7 @@ def test_two_processes_replay_and_record_every_rank(strategy, tmp_path_factory, 
 
 
 def test_pytorch_nondeterministic_op_warning_becomes_a_finding(tmp_path, isolated):
-    from src.callbacks.reproducibility import Reproducibility
+    from dsdebug.callbacks.reproducibility import Reproducibility
 
     channel = configure_channel(tmp_path)
     cb = Reproducibility(seed=42, replay_steps=0)
@@ -107,7 +107,7 @@ def test_pytorch_nondeterministic_op_warning_becomes_a_finding(tmp_path, isolate
 
 
 def test_replay_comparison_names_the_first_differing_module():
-    from src.callbacks.reproducibility import Reproducibility
+    from dsdebug.callbacks.reproducibility import Reproducibility
 
     def rec(name, value):
         t = torch.full((4,), float(value), dtype=torch.float64)
@@ -122,7 +122,7 @@ def test_replay_comparison_names_the_first_differing_module():
 @pytest.mark.parametrize("kwargs", [{"replay_steps": -1}, {"warn_only": "yes"},
                                     {"cublas_workspace_config": ":8:8"}])
 def test_bad_values_are_config_errors(kwargs, isolated):
-    from src.callbacks.reproducibility import Reproducibility
+    from dsdebug.callbacks.reproducibility import Reproducibility
 
     with pytest.raises(ConfigError, match=r"callbacks\.reproducibility\.\w+=.*valid"):
         Reproducibility(**kwargs)

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.callbacks.throughput import Throughput, _batch_size
-from src.errors import ConfigError
-from src.models.flops import flops_per_token, gpu_peak_flops
+from dsdebug.callbacks.throughput import Throughput, _batch_size
+from dsdebug.errors import ConfigError
+from dsdebug.models.flops import flops_per_token, gpu_peak_flops
 from tests.conftest import FAST, TINY_NET, train_in_process
 
 SHORT = [a for a in FAST if not a.startswith("trainer.max_steps")] + ["export.fp32=false", "export.hf=false"]
@@ -98,7 +98,7 @@ def test_slowdown_from_step_8_is_throughput_drop_and_summary(tmp_path, shared_ca
 
 
 def test_comm_heavy_reads_comm_debugs_tracker_only_when_it_exists(monkeypatch):
-    from src.callbacks.comm_debug import CommTracker
+    from dsdebug.callbacks.comm_debug import CommTracker
 
     cb = Throughput(window=3)
     seen = []

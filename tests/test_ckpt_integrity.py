@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from src.trainer.integrity import (
+from dsdebug.checkpoint.integrity import (
     CheckpointError,
     finalize_checkpoint,
     manifest_path,
@@ -77,7 +77,7 @@ def test_rotation_waits_for_verification(tmp_path, monkeypatch):
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    import src.trainer.integrity as integrity
+    import dsdebug.checkpoint.integrity as integrity
 
     real = integrity.write_manifest
     calls = {"n": 0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.trainer.integrity import write_manifest
+from dsdebug.checkpoint.integrity import write_manifest
 from tests.conftest import FAST, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
 from tests.shared_runs import TWO_PROC, strategy_run
 

@@ -63,8 +63,8 @@ def test_config_file_composes(path: Path):
 
 def test_default_composition_matches_the_product_card():
     cfg = _compose([])
-    assert cfg.model.net._target_ == "src.models.deepseek.build_deepseek_v3"
-    assert cfg.data.source._target_ == "src.data.corpus.KJVCorpus"
+    assert cfg.model.net._target_ == "dsdebug.models.deepseek.build_deepseek_v3"
+    assert cfg.data.source._target_ == "dsdebug.data.corpus.KJVCorpus"
     assert cfg.strategy.stage == 2 and cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 1
     assert cfg.optim.scheduler.warmup_ratio == 0.1 and cfg.optim.grad_clip == 1.0
     assert list(cfg.logger) == ["tensorboard"]
@@ -74,7 +74,7 @@ def test_default_composition_matches_the_product_card():
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 def test_strategies_instantiate(strategy):
-    from src.trainer.strategy import DebugDDPStrategy, DebugDeepSpeedStrategy
+    from dsdebug.trainer.strategy import DebugDDPStrategy, DebugDeepSpeedStrategy
 
     obj = instantiate(_compose([f"strategy={strategy}"]).strategy)
     if strategy == "ddp":
@@ -91,7 +91,7 @@ def test_strategies_instantiate(strategy):
 def test_loggers_and_callbacks_instantiate(logger, tmp_path, monkeypatch):
     from lightning.pytorch.loggers import Logger
 
-    from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
+    from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = _compose([f"logger={logger}", f"hydra.run.dir={tmp_path}"])

@@ -11,11 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.errors import ConfigError
-from src.findings.ranks import name_ranks, rank_ranges
-from src.trainer.consistency import ConsistencyCheck, compare_facts, config_facts, env_facts, rank_facts
-from src.trainer.log_format import HostFormatter
-from src.trainer.rank_files import merge_payloads, rank_payload
+from dsdebug.errors import ConfigError
+from dsdebug.findings.ranks import name_ranks, rank_ranges
+from dsdebug.callbacks.consistency import ConsistencyCheck, compare_facts, config_facts, env_facts, rank_facts
+from dsdebug.dist.log_format import HostFormatter
+from dsdebug.dist.rank_files import merge_payloads, rank_payload
 
 
 def _rank(host: str, **facts) -> dict:
@@ -113,7 +113,7 @@ def test_bad_options_are_one_line_errors(bad):
 
 
 def test_rank_payload_takes_only_this_ranks_small_text_files(tmp_path, monkeypatch):
-    from src.findings import Finding, configure_channel
+    from dsdebug.findings import Finding, configure_channel
 
     channel = configure_channel(tmp_path)
     channel.report(Finding(check="c", severity="info", code="x", message="on rank 1", rank=1))
@@ -154,7 +154,7 @@ def _world(run_dir, collected: bool) -> None:
 
 
 def test_report_names_the_ranks_it_did_not_hear_from(tmp_path):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     _world(tmp_path, collected=False)
     text = write_report(tmp_path)[1].read_text()

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from src.data import tokenizer as tokmod
-from src.data.corpus import HFDatasetCorpus, KJVCorpus, SyntheticCorpus, TextFilesCorpus
-from src.data.datamodule import LMDataModule
-from src.errors import ConfigError
+from dsdebug.data import tokenizer as tokmod
+from dsdebug.data.corpus import HFDatasetCorpus, KJVCorpus, SyntheticCorpus, TextFilesCorpus
+from dsdebug.data.datamodule import LMDataModule
+from dsdebug.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 SMALL_VOCAB = 300  # 256 bytes + 2 specials + 42 merges: reachable on a few KB of text

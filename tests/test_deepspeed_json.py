@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from src.errors import ConfigError
-from src.trainer.ds_auto import resolve_auto_values
-from src.trainer.ds_config import apply_ds_json_to_cfg, load_ds_config
+from dsdebug.errors import ConfigError
+from dsdebug.config.ds_auto import resolve_auto_values
+from dsdebug.config.ds_config import apply_ds_json_to_cfg, load_ds_config
 from tests.conftest import FAST, REPO, SMALL_DEEPSEEK, assert_ok, metrics, only_run_dir, run_train
 
 EXAMPLES = REPO / "examples" / "ds_configs"
@@ -117,7 +117,7 @@ def test_optimizer_and_scheduler_auto_come_from_the_run():
 
     import torch
 
-    from src.trainer.optim import warmup_cosine
+    from dsdebug.models.optim import warmup_cosine
 
     config = {"optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}},
               "scheduler": {"type": "WarmupDecayLR", "params": {k: "auto" for k in (

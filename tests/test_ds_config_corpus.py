@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from src.trainer import ds_keys
-from src.trainer.ds_config import read_ds_config
+from dsdebug.config import ds_keys
+from dsdebug.config.ds_config import read_ds_config
 from tests.conftest import REPO, error_lines, run_train
 
 CORPUS = REPO / "tests" / "ds_configs"
@@ -124,7 +124,7 @@ def test_corpus_config_trains_two_processes(name, tmp_path_factory, shared_cache
 
 @pytest.mark.slow
 def test_corpus_settles_batch_precision_and_deprecations(tmp_path_factory, shared_cache):
-    from src.trainer.validate import fp16_supported
+    from dsdebug.config.validate import fp16_supported
 
     facts = corpus_facts(tmp_path_factory, shared_cache)
     fp16 = "16-mixed" if fp16_supported("cpu") else "bf16-mixed"

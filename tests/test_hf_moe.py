@@ -27,9 +27,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from src.errors import ConfigError
-from src.models.deepseek import build_deepseek_v3
-from src.models.lm_module import CausalLMModule
+from dsdebug.errors import ConfigError
+from dsdebug.models.deepseek import build_deepseek_v3
+from dsdebug.models.lm_module import CausalLMModule
 from tests.conftest import FAST, train_in_process
 
 VOCAB, E, K = 4096, 4, 2

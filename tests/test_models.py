@@ -10,15 +10,15 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from src.errors import ConfigError
-from src.models.deepseek import (
+from dsdebug.errors import ConfigError
+from dsdebug.models.deepseek import (
     build_deepseek_v2,
     build_deepseek_v3,
     experts_implementation,
     load_pretrained,
     save_pretrained_dir,
 )
-from src.models.moe_aux import (
+from dsdebug.models.moe_aux import (
     RouterCapture,
     RouterRecord,
     expert_load_fractions,

@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dsdebug.callbacks import is_debug_check
 from tests.conftest import CONF, REPO, metrics
 from tests.shared_runs import healthy_run
 
@@ -24,7 +25,7 @@ def _debug_callbacks(preset: str) -> set[str]:
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=[f"debug={preset}"])
     GlobalHydra.instance().clear()
-    return {name for name, c in cfg.callbacks.items() if str(c.get("_target_", "")).startswith("src.callbacks.")}
+    return {name for name, c in cfg.callbacks.items() if is_debug_check(str(c.get("_target_", "")))}
 
 
 def test_debug_none_adds_no_debug_callback(monkeypatch):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from src.data import tokenizer as tokmod
-from src.data.corpus import KJVCorpus, TextFilesCorpus
-from src.data.datamodule import LMDataModule
-from src.errors import ConfigError
+from dsdebug.data import tokenizer as tokmod
+from dsdebug.data.corpus import KJVCorpus, TextFilesCorpus
+from dsdebug.data.datamodule import LMDataModule
+from dsdebug.errors import ConfigError
 from tests.conftest import CONF, FAST, REPO, TINY_NET, error_lines, run_train, train_in_process
 from tests.tokenizer_families import FAMILIES, build_model, build_tokenizer, save_model_dir
 
@@ -121,7 +121,7 @@ def test_two_tokenizers_on_one_corpus_never_share_ids(model_dirs, corpus_dir, te
     def boom(*args, **kwargs):
         raise AssertionError("re-encoded although the cache entry exists")
 
-    monkeypatch.setattr("src.data.pretrained_tokenizer.PretrainedTokenizer.encode", boom)
+    monkeypatch.setattr("dsdebug.data.pretrained_tokenizer.PretrainedTokenizer.encode", boom)
     again = datamodule("gpt2")
     assert again.cache_path == entries["gpt2"]
     assert np.array_equal(np.asarray(again.train_dataset.tokens), ids["gpt2"])
@@ -188,8 +188,8 @@ def _settled(overrides, monkeypatch):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from src.trainer.tokenizer_check import settle_tokenizer
-    from src.trainer.validate import validate_config
+    from dsdebug.config.tokenizer_check import settle_tokenizer
+    from dsdebug.config.validate import validate_config
 
     monkeypatch.setenv("PROJECT_ROOT", str(REPO))
     GlobalHydra.instance().clear()
@@ -204,7 +204,7 @@ def _settled(overrides, monkeypatch):
 def test_which_tokenizer_is_used(model_dirs, tmp_path, texts, caplog, monkeypatch):
     bare = tmp_path / "bare"  # a pretrained model saved without its tokenizer
     save_model_dir("gpt2", bare, texts[:4], with_tokenizer=False)
-    with caplog.at_level(logging.WARNING, logger="src.trainer.tokenizer_check"):
+    with caplog.at_level(logging.WARNING, logger="dsdebug.config.tokenizer_check"):
         cfg = _settled(["model=hf_pretrained", f"model.net.name_or_path={bare}", "data.vocab_size=300"], monkeypatch)
         assert cfg.data.tokenizer is None and cfg.data.vocab_size == 300  # today's fresh BPE...
         (warning,) = [r.getMessage() for r in caplog.records]  # ...with a warning that says so

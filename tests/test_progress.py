@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.callbacks import RichProgressBar
 
-from src.errors import ConfigError
-from src.trainer import progress
-from src.trainer.progress import ThrottledRichProgressBar
+from dsdebug.errors import ConfigError
+from dsdebug.trainer import progress
+from dsdebug.trainer.progress import ThrottledRichProgressBar
 
 
 def test_updates_at_most_once_per_interval_and_on_the_last_batch(monkeypatch):

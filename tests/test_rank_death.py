@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from src.trainer.integrity import verify_checkpoint
+from dsdebug.checkpoint.integrity import verify_checkpoint
 from tests.conftest import FAST, only_run_dir
 from tests.procs import alive, output, rank_pids, start_train, tree, wait_for
 

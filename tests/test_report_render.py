@@ -97,7 +97,7 @@ def data_uri_pngs(page: Page) -> list[tuple[int, int]]:
 # ---------- synthetic run dirs ---------------------------------------------------------------
 def write_run(run_dir: Path, loss: list[float], findings=(), metrics: dict | None = None, crash: dict | None = None,
               debug: bool = True, world: int = 2, env_mismatch: bool = False, overrides=("trainer=ddp_sim",)) -> Path:
-    from src.report.history import HistoryLogger
+    from dsdebug.report.history import HistoryLogger
 
     run_dir.mkdir(parents=True)
     logger = HistoryLogger(run_dir)
@@ -185,7 +185,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 # ---------- the report ----------------------------------------------------------------------
 def test_healthy_report_has_every_figure_and_section(runs):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     html_path, md_path = write_report(runs["healthy"])
     page = parse(html_path)
@@ -204,7 +204,7 @@ def test_healthy_report_has_every_figure_and_section(runs):
 
 
 def test_planted_findings_grouped_by_severity_and_escaped(runs):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     html_path, md_path = write_report(runs["planted"])
     page = parse(html_path)
@@ -224,7 +224,7 @@ def test_planted_findings_grouped_by_severity_and_escaped(runs):
 
 
 def test_crashed_run_report_names_the_error(runs):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     html_path, md_path = write_report(runs["crashed"])
     page = parse(html_path)
@@ -239,7 +239,7 @@ def test_crashed_run_report_names_the_error(runs):
 
 
 def test_report_survives_an_empty_or_garbled_run_dir(tmp_path):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     (tmp_path / "metrics.json").write_text("[1, 2")
     (tmp_path / "config_resolved.yaml").write_text("trainer: [unclosed\n")
@@ -254,8 +254,8 @@ def test_report_survives_an_empty_or_garbled_run_dir(tmp_path):
 
 # ---------- compare and sweep index ---------------------------------------------------------
 def test_compare_two_runs(runs, tmp_path):
-    from src.report.compare import compare, first_loss_difference
-    from src.report.load import load_run
+    from dsdebug.report.compare import compare, first_loss_difference
+    from dsdebug.report.load import load_run
 
     a, b = load_run(runs["healthy"]), load_run(runs["planted"])
     assert first_loss_difference(a, b)["step"] == 20  # the planted loss leaves the healthy one at step 20
@@ -287,7 +287,7 @@ def make_sweep(root: Path) -> Path:
 
 
 def test_sweep_index(tmp_path):
-    from src.report.sweep import build, sweep_index
+    from dsdebug.report.sweep import build, sweep_index
 
     sweep = make_sweep(tmp_path)
     _, rows = build(sweep)
@@ -305,7 +305,7 @@ def test_sweep_index(tmp_path):
 
 # ---------- the CLI -------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "src.report", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dsdebug.report", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
@@ -357,7 +357,7 @@ def _chromium() -> str | None:
 
 
 def test_report_renders_in_headless_chromium(runs, tmp_path):
-    from src.report.render import write_report
+    from dsdebug.report.render import write_report
 
     browser = _chromium()
     if browser is None:
@@ -385,8 +385,8 @@ def test_report_renders_in_headless_chromium(runs, tmp_path):
 def test_deepspeed_wall_clock_timers_draw_the_phase_figure(tmp_path):
     """A ds_config with wall_clock_breakdown logs deepspeed/<phase>_ms (ds_wall_clock): with no
     debug preset on, the report's comm/compute figure stacks those phases."""
-    from src.report.load import load_run
-    from src.report.plots import comm_compute
+    from dsdebug.report.load import load_run
+    from dsdebug.report.plots import comm_compute
 
     rows = [{"step": s, "deepspeed/fwd_ms": 200.0 + s, "deepspeed/bwd_inner_ms": 280.0, "deepspeed/bwd_allreduce_ms":
              30.0, "deepspeed/step_ms": 25.0} for s in (1, 2, 3)]

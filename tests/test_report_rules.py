@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from src.report import rules
-from src.report.history import HistoryLogger, read_history
-from src.report.load import RunData, load_run
+from dsdebug.report import rules
+from dsdebug.report.history import HistoryLogger, read_history
+from dsdebug.report.load import RunData, load_run
 
 CONFIG = {"trainer": {"max_steps": 100, "accelerator": "cpu", "precision": "32-true"},
           "optim": {"lr": 3e-3, "scheduler": {"warmup_ratio": 0.1}}}

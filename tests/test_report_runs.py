@@ -34,8 +34,8 @@ def test_healthy_run_report(tmp_path_factory, shared_cache):
     text, findings = _check_report(run_dir, min_images=4)  # loss, grad norms, per-rank time and memory
     assert "completed" in text and findings  # debug=full reports info findings
     assert not [f for f in findings if f["check"] == "advisor"], "a healthy run must not trip a rule"
-    from src.report.load import load_run
-    from src.report.plots import moe_load
+    from dsdebug.report.load import load_run
+    from dsdebug.report.plots import moe_load
 
     run = load_run(run_dir)
     assert run.keys("moe/load/L"), "per-layer, per-expert load is logged for the MoE heatmap"

@@ -14,9 +14,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from src.trainer.checkpoints import resolve_ckpt_path
-from src.trainer.integrity import CheckpointError, manifest_path, write_manifest
-from src.trainer.resume import check_resume_config, config_differences
+from dsdebug.checkpoint.checkpoints import resolve_ckpt_path
+from dsdebug.checkpoint.integrity import CheckpointError, manifest_path, write_manifest
+from dsdebug.checkpoint.resume import check_resume_config, config_differences
 
 
 def _ckpt(run_dir: Path, step: int, age_s: float) -> Path:
@@ -61,7 +61,7 @@ def test_auto_in_an_empty_run_dir_starts_fresh_and_never_takes_another_run(runs)
 
 
 def test_auto_skips_a_corrupt_newest_of_its_own_not_to_another_run(runs, tmp_path):
-    from src.findings import configure_channel
+    from dsdebug.findings import configure_channel
 
     log_dir, own, own_old, own_new, _, _ = runs
     channel = configure_channel(tmp_path / "findings")
@@ -74,7 +74,7 @@ def test_auto_skips_a_corrupt_newest_of_its_own_not_to_another_run(runs, tmp_pat
 
 MODEL = {"net": {"_target_": "x.Net", "hidden_size": 64, "num_hidden_layers": 2}}
 DATA = {"seq_len": 128, "batch_size": 8, "num_workers": 0, "cache_dir": "/a/cache", "max_tokens": None}
-STRATEGY = {"_target_": "src.trainer.strategy.DebugDeepSpeedStrategy", "stage": 2}
+STRATEGY = {"_target_": "dsdebug.trainer.strategy.DebugDeepSpeedStrategy", "stage": 2}
 TRAINER = {"devices": 2, "num_nodes": 1, "precision": "32-true", "accumulate_grad_batches": 1, "max_steps": 12}
 
 
@@ -107,7 +107,7 @@ def test_another_model_or_data_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_other_world_size_or_stage_is_a_warning_naming_the_key(tmp_path):
-    from src.findings import configure_channel
+    from dsdebug.findings import configure_channel
 
     channel = configure_channel(tmp_path / "run")
     ckpt = _written_by(tmp_path / "b", trainer__devices=1, strategy__stage=3, data__batch_size=16)
@@ -119,7 +119,7 @@ def test_other_world_size_or_stage_is_a_warning_naming_the_key(tmp_path):
 
 
 def test_same_experiment_is_silent_and_where_keys_and_other_trainer_keys_are_not_compared(tmp_path):
-    from src.findings import configure_channel
+    from dsdebug.findings import configure_channel
 
     channel = configure_channel(tmp_path / "run")
     # more steps, another cache dir or worker count: the same experiment
@@ -143,7 +143,7 @@ def test_in_place_keeps_rows_before_the_checkpoint_step_and_the_same_logger_dirs
     rows 0-2 (CSV, history), the TensorBoard version and W&B id, and moves the last end aside."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from src.trainer.resume import prepare_loggers, settle_run_dir
+    from dsdebug.checkpoint.resume import prepare_loggers, settle_run_dir
 
     run = tmp_path / "run"
     ckpt = _ckpt(run, 3, 0)

@@ -1,4 +1,4 @@
-"""A run always logs and validates its last step (src/trainer/final_step.py), so the report of a short
+"""A run always logs and validates its last step (src/checkpoint/final_step.py), so the report of a short
 run has a loss curve and its val/loss is the final model's, not the step-0 sanity check's."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def test_short_run_logs_and_validates_its_last_step(tmp_path, shared_cache):
     assert val[-1][1] != val[0][1] and m["val/loss"] == val[-1][1] and m["val/loss_at_start"] == val[0][1]
     assert [r["step"] for r in rows if "train/loss" in r] == [4]  # the last step, though not a multiple of 10
 
-    from src.report.load import load_run
-    from src.report.plots import _finite, loss
+    from dsdebug.report.load import load_run
+    from dsdebug.report.plots import _finite, loss
 
     run = load_run(run_dir)
     assert _finite(*run.series("train/loss"))[0] == [4] and loss(run) is not None

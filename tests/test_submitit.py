@@ -1,4 +1,4 @@
-"""Sweeps through Hydra's submitit launchers (src/trainer/submitit_job.py): a submitit_local multirun
+"""Sweeps through Hydra's submitit launchers (src/dist/submitit_job.py): a submitit_local multirun
 (one job preempted, checkpointed and requeued by submitit; W&B offline groups the jobs), the sbatch
 script submitit_slurm submits (rendered by the real launcher, caught by a stand-in ``sbatch``), a
 2-task SLURM job run by stand-in sbatch/srun as one 2-rank run, and the job shapes refused in one
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from src.trainer.cli import precheck_overrides
+from dsdebug.trainer.cli import precheck_overrides
 from tests import fake_slurm
 from tests.conftest import CONF, FAST, TINY_NET, assert_ok, run_train
 from tests.planted_comm import read_findings, wandb_records

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from src.data.corpus import TextFilesCorpus
+from dsdebug.data.corpus import TextFilesCorpus
 
 LICENSE = "Apache License\nVersion 2.0, January 2004\n\nTERMS AND CONDITIONS FOR USE, REPRODUCTION.\n"
 
@@ -49,7 +49,7 @@ def test_binary_looking_file_warns_once_naming_it(name, content, evidence, tmp_p
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
     corpus = TextFilesCorpus(str(path))
-    with caplog.at_level(logging.WARNING, logger="src.data.text_files"):
+    with caplog.at_level(logging.WARNING, logger="dsdebug.data.text_files"):
         assert len(list(corpus.documents())) == 1  # still used: a warning, not an error
         list(corpus.documents())  # a second pass (the BPE trains, then encodes) does not repeat it
     warnings = _warnings(caplog)
@@ -68,6 +68,6 @@ def test_unusual_but_genuine_text_does_not_warn(tmp_path, caplog):
     }
     for name, text in samples.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="src.data.text_files"):
+    with caplog.at_level(logging.WARNING, logger="dsdebug.data.text_files"):
         docs = list(TextFilesCorpus(str(tmp_path / "*.txt")).documents())
     assert len(docs) == 3 and _warnings(caplog) == []

@@ -83,7 +83,7 @@ def small_hf_run(tmp_path_factory, shared_cache):
     """One 2-step run for three features that do not touch each other: a model loaded from a
     local save_pretrained dir, bf16-mixed, and the W&B logger offline with an API key in the
     environment, started from an empty working directory."""
-    from src.models.deepseek import build_deepseek_v3
+    from dsdebug.models.deepseek import build_deepseek_v3
 
     root = tmp_path_factory.mktemp("small_hf")
     model_dir, cwd = root / "tiny_model", root / "cwd"

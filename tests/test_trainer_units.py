@@ -10,11 +10,11 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 
-from src.errors import ConfigError
-from src.trainer.cli import find_config_error
-from src.trainer.launcher import hydra_child_command
-from src.trainer.optim import param_groups, scaled_lr
-from src.trainer.secrets import redact
+from dsdebug.errors import ConfigError
+from dsdebug.trainer.cli import find_config_error
+from dsdebug.dist.launcher import hydra_child_command
+from dsdebug.models.optim import param_groups, scaled_lr
+from dsdebug.findings.secrets import redact
 from tests.conftest import CONF, REPO
 
 

@@ -1,0 +1,75 @@
+"""The debug checks: one Lightning Callback per file, each reporting into the findings channel.
+
+Facade: ``from dsdebug.callbacks import GradMonitor`` (imported on first use, so importing the
+package costs nothing and a check's module is loaded only when asked for). Each class docstring
+carries its config example and its metric/finding table; docs/debugging.md indexes them.
+Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
+
+| class | module | preset |
+|---|---|---|
+| Reproducibility | reproducibility | light, full, repro |
+| CommDebug | comm_debug | light, full, comm |
+| GradMonitor | grad_monitor | light, full, grads |
+| DataInspector | data_inspector | light, full, data |
+| Profiler | profiler | full, profile |
+| FreezeVerify | freeze_verify | full, freeze |
+| LogSync | log_sync | light, full, logs |
+| ReplicaParity | replica_parity | full |
+| LossSpike | loss_spike | light, full |
+| LayerHealth | layer_health | full |
+| MoERouter | moe_router | light, full |
+| MemoryMonitor | memory | light, full |
+| Throughput | throughput | light, full |
+| MixedPrecisionCheck | mixed_precision | light, full |
+| NaNTriage | nan_triage | full |
+| GradScaleCheck | grad_scale | always on |
+| ConsistencyCheck | consistency | always on |
+| DeepSpeedWallClock | ds_wall_clock | added under DeepSpeed |
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULES = {
+    "DebugCallback": "base",
+    "Reproducibility": "reproducibility",
+    "CommDebug": "comm_debug",
+    "GradMonitor": "grad_monitor",
+    "DataInspector": "data_inspector",
+    "Profiler": "profiler",
+    "FreezeVerify": "freeze_verify",
+    "LogSync": "log_sync",
+    "ReplicaParity": "replica_parity",
+    "LossSpike": "loss_spike",
+    "LayerHealth": "layer_health",
+    "MoERouter": "moe_router",
+    "MemoryMonitor": "memory",
+    "Throughput": "throughput",
+    "MixedPrecisionCheck": "mixed_precision",
+    "NaNTriage": "nan_triage",
+    "GradScaleCheck": "grad_scale",
+    "ConsistencyCheck": "consistency",
+    "DeepSpeedWallClock": "ds_wall_clock",
+}
+SEVEN = ("Reproducibility", "CommDebug", "GradMonitor", "DataInspector", "Profiler", "FreezeVerify", "LogSync")
+# checks every run has (conf/callbacks/default.yaml), not selected by a debug= preset
+ALWAYS_ON_MODULES = ("dsdebug.callbacks.grad_scale", "dsdebug.callbacks.consistency")
+__all__ = sorted(_MODULES)
+
+
+def is_debug_check(module_or_target: str) -> bool:
+    """A check a debug= preset selects (a class path or module name under dsdebug.callbacks)."""
+    return (module_or_target.startswith("dsdebug.callbacks.")
+            and not module_or_target.startswith(tuple(m + "." for m in ALWAYS_ON_MODULES) + ALWAYS_ON_MODULES))
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULES))

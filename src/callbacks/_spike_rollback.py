@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from src.trainer.integrity import CheckpointError, atomic_write_text, has_manifest, read_manifest, verify_checkpoint
+from dsdebug.checkpoint.integrity import CheckpointError, atomic_write_text, has_manifest, read_manifest, verify_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ in a blocked collective until the process-group timeout (30 min by default).
 
 Side channel: a blocked collective blocks the training thread, not this one, so the ranks
 talk through the rendezvous store (a connection of its own to the process group's store,
-``src/trainer/heartbeat.side_store``; one process: an in-memory store): one heartbeat key per
+``dsdebug.dist.heartbeat.side_store``; one process: an in-memory store): one heartbeat key per
 rank, a ``flag`` key claimed with compare_set, a ``reported`` key. No shared filesystem is
 needed: across nodes with node-local run dirs every rank still joins the same report.
 
@@ -113,7 +113,7 @@ def watchdog_store(fit: int) -> Any:
     """The store the watchdogs of one fit share (keys under ``dsdebug/comm_debug/<fit>``)."""
     import torch.distributed as dist
 
-    from src.trainer.heartbeat import side_store
+    from dsdebug.dist.heartbeat import side_store
 
     return side_store(f"dsdebug/comm_debug/{fit}") or dist.HashStore()
 
@@ -195,7 +195,7 @@ class HangWatchdog:
 
     def _fire(self) -> None:
         self.fired = True
-        from src.trainer.liveness import ending_on_purpose
+        from dsdebug.dist.liveness import ending_on_purpose
 
         ending_on_purpose("hang watchdog")  # the ranks now exit 124 one by one: none of them "died"
         try:
@@ -269,7 +269,7 @@ class HangWatchdog:
             f.write("\n".join(lines) + "\n\n--- faulthandler (all threads, innermost first) ---\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        from src.callbacks._flight_recorder import dump_flight_recorder
+        from dsdebug.callbacks._flight_recorder import dump_flight_recorder
 
         dump_flight_recorder(self.run_dir, self.rank)
 
@@ -285,7 +285,7 @@ class HangWatchdog:
                 crash = {"status": "hang", "exit_code": HANG_EXIT_CODE, "exception": "HangWatchdog",
                          "error": f"hang watchdog: no training progress; stacks in {self.run_dir}/hang_rank<r>.txt"}
                 (Path(self.run_dir) / "crash.json").write_text(json.dumps(crash, indent=1))
-                from src.report.finish import finish_run
+                from dsdebug.report.finish import finish_run
 
                 finish_run(self.run_dir)
             except Exception:  # noqa: BLE001

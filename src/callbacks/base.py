@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback
 
-from src.errors import ConfigError
-from src.findings import Finding, get_channel
+from dsdebug.dist.collectives import any_rank
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding, get_channel
 
 POLICIES = ("warn", "skip", "stop")
 
@@ -77,11 +77,4 @@ class DebugCallback(Callback):
                 channel.stop_request = finding
             trainer.should_stop = True
 
-    @staticmethod
-    def any_rank(trainer: Any, flag: bool) -> bool:
-        """True if ``flag`` is True on any rank. COLLECTIVE: every rank must call it."""
-        if trainer is None or trainer.world_size <= 1:
-            return bool(flag)
-        device = trainer.strategy.root_device
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        return bool(trainer.strategy.reduce(t, reduce_op="max").item() > 0)
+    any_rank = staticmethod(any_rank)  # dsdebug.dist.collectives.any_rank: COLLECTIVE

@@ -18,9 +18,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from src.callbacks._flight_recorder import dump_path
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.callbacks._flight_recorder import dump_path
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class StepClock:
         self.start, self._val = now, []
         if start is None:
             return None
-        from src.trainer.integrity import SAVE_WINDOWS
+        from dsdebug.checkpoint.integrity import SAVE_WINDOWS
 
         vals = vals + [(s, e) for s, e in SAVE_WINDOWS if s >= start and e <= now]
         step = now - start - sum(e - s for s, e in vals)
@@ -377,7 +377,7 @@ class CommDebug(DebugCallback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.hang_timeout_s:
-            from src.callbacks._watchdog import HangWatchdog, watchdog_store
+            from dsdebug.callbacks._watchdog import HangWatchdog, watchdog_store
 
             CommDebug._fits += 1  # every rank counts the same fits: one key space per fit in the store
             self.watchdog = HangWatchdog(
@@ -447,8 +447,8 @@ class CommDebug(DebugCallback):
 
     # ---- watchdog thread, on the rank that claimed the hang flag -----------------------
     def _report_hang(self, trainer: Any, analysis: dict, beats: dict[int, dict]) -> None:
-        from src.callbacks._flight_recorder import DIR
-        from src.callbacks._watchdog import HANG_EXIT_CODE, describe_hang
+        from dsdebug.callbacks._flight_recorder import DIR
+        from dsdebug.callbacks._watchdog import HANG_EXIT_CODE, describe_hang
 
         culprits, steps = analysis["culprits"], {b.get("step") for b in beats.values()}
         self.report(

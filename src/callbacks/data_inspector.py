@@ -63,9 +63,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
-from src.findings import Finding
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding
 
 log = logging.getLogger(__name__)
 _B = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64, so window hashes need no division
@@ -85,7 +85,7 @@ def dataset_samples(dataset: Any, max_tokens: int, max_samples: int | None = Non
     if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         return None
     limit = min(len(dataset), max_samples or len(dataset))
-    if all(hasattr(dataset, a) for a in ("tokens", "seq_len", "start")):  # src.data PackedBlocks
+    if all(hasattr(dataset, a) for a in ("tokens", "seq_len", "start")):  # dsdebug.data PackedBlocks
         a, t = dataset.start, dataset.seq_len
         n = min(limit, max(1, max_tokens // t))
         return list(np.asarray(dataset.tokens[a : a + n * t], dtype=np.int64).reshape(n, t))
@@ -169,10 +169,6 @@ def _module_shifts(pl_module: Any) -> tuple[bool | None, str]:
     declared = getattr(pl_module, "shifts_labels", None)
     if isinstance(declared, bool):
         return declared, f"{type(pl_module).__name__}.shifts_labels={declared}"
-    from src.models.lm_module import CausalLMModule
-
-    if isinstance(pl_module, CausalLMModule):
-        return True, "CausalLMModule's loss compares logits[:, :-1] with labels[:, 1:]"
     return None, f"unknown for {type(pl_module).__name__} (set shifts_labels=True/False on it)"
 
 

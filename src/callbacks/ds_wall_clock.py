@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from src.callbacks.base import DebugCallback
+from dsdebug.callbacks.base import DebugCallback
 
 __all__ = ["DeepSpeedWallClock"]
 

@@ -47,10 +47,10 @@ from typing import Any, Callable
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import display_name, grad_source
-from src.errors import ConfigError
-from src.findings import Finding
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import display_name, grad_source
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding
 
 _REASONS = {  # code -> (message stem, advice), checked in this order
     "frozen_outside_config": ("requires_grad=False was set outside freeze_verify (model code?) although the "

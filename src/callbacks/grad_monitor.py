@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                         local_param)
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

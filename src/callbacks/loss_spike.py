@@ -55,11 +55,11 @@ from typing import Any
 
 import torch
 
-from src.callbacks import _spike_rollback as rb
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import _at_accumulation_boundary, _num, grad_source, local_grad
-from src.errors import ConfigError
-from src.findings import Finding, get_channel
+from dsdebug.callbacks import _spike_rollback as rb
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, _num, grad_source, local_grad
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding, get_channel
 
 POLICIES = ("warn", "skip", "rollback")
 
@@ -171,7 +171,7 @@ class LossSpike(DebugCallback):
             self.report(trainer, "warning", "loss_spike_resume_skip",
                         f"resuming from {ckpt.name} (step {step}): {type(dm).__name__} cannot drop the {len(ranges)} "
                         "batch range(s) a rollback skipped; they will be replayed",
-                        "use src.data.datamodule.LMDataModule or give your datamodule exclude_batches()", rank=None)
+                        "use dsdebug.data.datamodule.LMDataModule or give your datamodule exclude_batches()", rank=None)
             return
         if not (run_dir / rb.SKIP_FILE).is_file():  # the record follows the run
             for r in records:

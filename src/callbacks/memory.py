@@ -10,7 +10,7 @@ crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for t
   (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
 - Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
   grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
-  hold (``src.trainer.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
+  hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
   with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
   the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
   params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
@@ -58,10 +58,9 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
-from src.trainer.cli import is_out_of_memory
-from src.trainer.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError, is_out_of_memory
+from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
 
 log = logging.getLogger(__name__)
 GB, MB = 2**30, 2**20

@@ -57,11 +57,11 @@ from typing import Any
 
 import torch
 
-from src.callbacks._loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
-from src.errors import ConfigError
-from src.findings import Finding
+from dsdebug.callbacks._loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding
 
 __all__ = ["MixedPrecisionCheck"]
 

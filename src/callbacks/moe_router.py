@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
-from src.models.moe_aux import normalised_probs
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
+from dsdebug.models.moe_aux import normalised_probs
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
 log = logging.getLogger(__name__)

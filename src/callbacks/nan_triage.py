@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
-from src.errors import ConfigError
-from src.findings import Finding
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
+from dsdebug.errors import ConfigError
+from dsdebug.findings import Finding
 
 __all__ = ["NaNTriage"]
 
@@ -214,7 +214,7 @@ class NaNTriage(DebugCallback):
         return bad_ranks, modules
 
     def _loss(self, pl_module: Any) -> torch.Tensor:
-        if hasattr(pl_module, "_losses"):  # src.models.lm_module: the step's loss without logging
+        if hasattr(pl_module, "_losses"):  # dsdebug.models.lm_module: the step's loss without logging
             return pl_module._losses(self._batch, training=False)[0]
         out = pl_module.training_step(self._batch, self._batch_idx)
         return out["loss"] if isinstance(out, dict) else out

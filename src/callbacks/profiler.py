@@ -63,8 +63,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _COMM_BACKEND = re.compile(r"^(gloo:|nccl)")  # gloo worker-thread ops; NCCL kernels (ncclDevKernel_*, ncclKernel_*)

@@ -66,9 +66,9 @@ from typing import Any, Callable
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.callbacks.grad_monitor import _at_accumulation_boundary, display_name
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name
+from dsdebug.errors import ConfigError
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
 
@@ -200,7 +200,7 @@ class ReplicaParity(DebugCallback):
     def _scalar_entries(self, trainer: Any) -> list[tuple[str, str, Callable[[], torch.Tensor]]]:
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        from src.trainer.consistency import config_facts, config_hash
+        from dsdebug.callbacks.consistency import config_facts, config_hash
 
         entries: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
         opt = trainer.optimizers[0] if trainer.optimizers else None

@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CUBLAS_CONFIGS = (":4096:8", ":16:8")

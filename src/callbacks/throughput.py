@@ -11,9 +11,9 @@ How it measures, per step, with ``time.perf_counter`` only (no device sync, no c
 - data wait = previous batch end -> this ``on_train_batch_start``: fetching the next batch
   (Lightning prefetches one batch ahead, so the fetch happens in this gap) plus logging;
 - tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
-- MFU = tokens/s x training FLOPs per token (``src.models.flops``: 6 x active params +
+- MFU = tokens/s x training FLOPs per token (``dsdebug.models.flops``: 6 x active params +
   attention) / peak: on GPU the dense bf16 spec number by device name
-  (``src.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
+  (``dsdebug.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
   (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
 - comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
   (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
@@ -62,9 +62,9 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
-from src.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
+from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
 
 log = logging.getLogger(__name__)
 _CPU_PEAK: float | None = None  # measured once per process
@@ -156,7 +156,7 @@ class Throughput(DebugCallback):
         self._prev_end, self._val_s = end, 0.0
         if start is None:
             return
-        from src.trainer.integrity import SAVE_WINDOWS
+        from dsdebug.checkpoint.integrity import SAVE_WINDOWS
 
         interrupted = prev is None  # the first step: its gap is the fit's start-up
         gap = 0.0 if interrupted else start - prev - val_s  # validation and checkpoint saves are not data waits
@@ -194,7 +194,7 @@ class Throughput(DebugCallback):
         self._judge(trainer, step, step_s)
 
     def _comm_ratio(self, start: float, end: float) -> float | None:
-        from src.callbacks.comm_debug import CommTracker
+        from dsdebug.callbacks.comm_debug import CommTracker
 
         tracker = CommTracker._instance  # comm_debug's, when it measures; we never install it
         if tracker is None or self._fwd_end is None or self._fwd_end <= start:

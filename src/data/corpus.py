@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from src.data.text_files import TextFileReader, match_files
-from src.errors import ConfigError
+from dsdebug.data.text_files import TextFileReader, match_files
+from dsdebug.errors import ConfigError
 
 
 class Corpus:

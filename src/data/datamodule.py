@@ -17,8 +17,8 @@ racing ranks are safe (see `tokenizer.py`). Neither method calls a collective.
 
 Example (conf/data/kjv.yaml)::
 
-    _target_: src.data.datamodule.LMDataModule
-    source: {_target_: src.data.corpus.KJVCorpus}
+    _target_: dsdebug.data.datamodule.LMDataModule
+    source: {_target_: dsdebug.data.corpus.KJVCorpus}
     vocab_size: 4096
     seq_len: 128
     tokenizer: ${oc.select:model.tokenizer,null}   # model=hf_pretrained: the model's own
@@ -38,17 +38,17 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from src.data.corpus import Corpus, SyntheticCorpus, resolve_path
-from src.data.resumable import (
+from dsdebug.data.corpus import Corpus, SyntheticCorpus, resolve_path
+from dsdebug.data.resumable import (
     EpochShuffleSampler,
     ResumableDataLoader,
     ResumePosition,
     batches_consumed_in_epoch,
 )
-from src.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
-from src.errors import ConfigError
+from dsdebug.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
+from dsdebug.errors import ConfigError
 
-SOURCES = "src.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
+SOURCES = "dsdebug.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LMDataModule(L.LightningDataModule):
     """Language-model data: source -> tokenizer (cached ids) -> packed blocks.
 
     Args:
-        source: a corpus from `src.data.corpus` (Hydra builds it from `data.source`).
+        source: a corpus from `dsdebug.data.corpus` (Hydra builds it from `data.source`).
         vocab_size: BPE vocabulary size (tokenizer size must equal it), or the id range of
             a synthetic source. Available before `setup`, so the model can be built first.
             With `tokenizer` set it is replaced by the tokenizer's id range (max id + 1).
@@ -120,7 +120,7 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: where tokenizers and token ids are cached, keyed by content.
         max_tokens: use only the first `max_tokens` tokens (quick runs); None = all.
         global_batch_size: blocks per optimizer step over all ranks, or None. The trainer
-            derives `batch_size` from it before this is built (src/trainer/global_batch.py);
+            derives `batch_size` from it before this is built (src/config/global_batch.py);
             `setup` checks that the two agree with the trainer's world size and accumulation.
         tokenizer: a pretrained tokenizer (directory or hub id) to encode the corpus with
             instead of training a BPE; ignored for a synthetic source. Loaded at construction.
@@ -151,7 +151,7 @@ class LMDataModule(L.LightningDataModule):
         self.is_synthetic = isinstance(self.source, SyntheticCorpus)
         self.pretrained = None
         if tokenizer is not None and not self.is_synthetic:
-            from src.data.pretrained_tokenizer import PretrainedTokenizer
+            from dsdebug.data.pretrained_tokenizer import PretrainedTokenizer
 
             self.pretrained = PretrainedTokenizer(str(tokenizer))
             if vocab_size != self.pretrained.vocab_size:

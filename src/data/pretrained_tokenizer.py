@@ -8,7 +8,7 @@ data. The cache key (``src/data/tokenizer.py``) holds ``fingerprint``: the sha25
 tokenizer file, the class transformers picked and the transformers/tokenizers versions, so two
 tokenizers never share token ids.
 
-Which tokenizer is chosen, and the checks against the model: ``src/trainer/tokenizer_check.py``.
+Which tokenizer is chosen, and the checks against the model: ``src/config/tokenizer_check.py``.
 Runs on every rank (each loads the tokenizer; the cache is built once, see tokenizer.py).
 """
 
@@ -23,11 +23,10 @@ from typing import Iterable
 
 import numpy as np
 
-from src.data.corpus import resolve_path
-from src.data.tokenizer import ENCODE_BATCH, batched
-from src.errors import ConfigError
-from src.trainer.tokenizer_check import check_has_eos
-from src.trainer.tokenizer_facts import TOKENIZER_FILES, TOKENIZER_MARKERS, facts_from_tokenizer, tokenizer_files
+from dsdebug.data.corpus import resolve_path
+from dsdebug.data.tokenizer import ENCODE_BATCH, batched
+from dsdebug.errors import ConfigError
+from dsdebug.data.tokenizer_facts import TOKENIZER_FILES, check_has_eos, TOKENIZER_MARKERS, facts_from_tokenizer, tokenizer_files
 
 
 class PretrainedTokenizer:

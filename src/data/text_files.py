@@ -21,7 +21,7 @@ import unicodedata
 from pathlib import Path
 from typing import Iterator
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The one channel every check reports through (see channel.py)."""
 
-from src.findings.channel import SEVERITIES, Finding, FindingsChannel, configure_channel, get_channel
+from dsdebug.findings.channel import SEVERITIES, Finding, FindingsChannel, configure_channel, get_channel
 
 __all__ = ["SEVERITIES", "Finding", "FindingsChannel", "configure_channel", "get_channel"]

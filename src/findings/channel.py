@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from src.trainer.secrets import redact
+from dsdebug.findings.secrets import redact
 
 SEVERITIES = ("info", "warning", "error")
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -11,7 +11,7 @@ second for 8x128 tokens on 2 CPU cores.
 Hydra builds them from ``conf/model/*.yaml``, e.g.::
 
     net:
-      _target_: src.models.deepseek.build_deepseek_v3
+      _target_: dsdebug.models.deepseek.build_deepseek_v3
       num_hidden_layers: 2          # any DeepseekV3Config field can be overridden here
 
 Runs on every rank; nothing here calls a collective.
@@ -39,7 +39,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from src.models.moe_balance import MoEBalance, MoEStep
-from src.trainer.optim import param_groups
+from dsdebug.models.moe_balance import MoEBalance, MoEStep
+from dsdebug.models.optim import param_groups
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _noop() -> None:
 
 def _skip_unsupported(trainer: Any, opt: Any) -> None:
     """Honest fallback: say so, let this update happen, stop the run (exit code 3)."""
-    from src.findings import Finding, get_channel
+    from dsdebug.findings import Finding, get_channel
 
     finding = Finding(
         check="optimizer_step", severity="error", code="skip_unsupported", step=trainer.global_step, rank=None,

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 
 @dataclass

@@ -39,8 +39,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from src.errors import ConfigError
-from src.models.moe_aux import RouterCapture, expert_load_fractions, find_routers, load_balancing_loss
+from dsdebug.errors import ConfigError
+from dsdebug.models.moe_aux import RouterCapture, expert_load_fractions, find_routers, load_balancing_loss
 
 log = logging.getLogger(__name__)
 

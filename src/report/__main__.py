@@ -1,8 +1,8 @@
-"""``python -m src.report``: regenerate a run's report, compare two runs, or index a sweep.
+"""``python -m dsdebug.report``: regenerate a run's report, compare two runs, or index a sweep.
 
-    python -m src.report RUN_DIR                 # RUN_DIR/report.html + report.md
-    python -m src.report RUN_A RUN_B [--out DIR] # RUN_A/compare_<RUN_B name>/compare.html + .md
-    python -m src.report SWEEP_DIR               # SWEEP_DIR/sweep_index.html + .md
+    python -m dsdebug.report RUN_DIR                 # RUN_DIR/report.html + report.md
+    python -m dsdebug.report RUN_A RUN_B [--out DIR] # RUN_A/compare_<RUN_B name>/compare.html + .md
+    python -m dsdebug.report SWEEP_DIR               # SWEEP_DIR/sweep_index.html + .md
 
 A path that is neither a run dir nor a sweep dir is one ``error: ...`` line and exit code 2.
 Needs no torch/lightning import: it starts in about a second.
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from src.report.sweep import _RUN_FILES, is_sweep_dir
+from dsdebug.report.sweep import _RUN_FILES, is_sweep_dir
 
 EXIT_BAD_INPUT = 2
 _VALID = ("a run dir (logs/train/runs/<time>/ with config_resolved.yaml, metrics.json, history.jsonl, "
@@ -27,7 +27,7 @@ class BadInput(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        raise BadInput(f"{message}; usage: python -m src.report RUN_DIR | RUN_A RUN_B [--out DIR] | SWEEP_DIR")
+        raise BadInput(f"{message}; usage: python -m dsdebug.report RUN_DIR | RUN_A RUN_B [--out DIR] | SWEEP_DIR")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -44,7 +44,7 @@ def _check(arg: str, name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m src.report", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m dsdebug.report", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", metavar="DIR", help="RUN_DIR, RUN_A RUN_B, or SWEEP_DIR")
     parser.add_argument("--out", help="output dir of a comparison (default: RUN_A/compare_<RUN_B name>/)")
     try:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out) if args.out else a / f"compare_{b.resolve().name}"
             if out.exists() and not out.is_dir():
                 raise BadInput(f"--out '{out}' is a file; valid: a directory (created if missing)")
-            from src.report.compare import compare
+            from dsdebug.report.compare import compare
 
             written = compare(a, b, out)
         else:
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadInput("--out applies to a comparison (two run dirs) only")
             path = _check(args.paths[0], "DIR")
             if is_run_dir(path):
-                from src.report.render import write_report
+                from dsdebug.report.render import write_report
 
                 written = write_report(path)
             elif is_sweep_dir(path):
-                from src.report.sweep import sweep_index
+                from dsdebug.report.sweep import sweep_index
 
                 written = sweep_index(path)
             else:

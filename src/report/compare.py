@@ -11,10 +11,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from src.report import plots
-from src.report.doc import Document
-from src.report.load import RunData, load_run, read_repro
-from src.report.render import all_findings, command, flatten
+from dsdebug.report import plots
+from dsdebug.report.doc import Document
+from dsdebug.report.load import RunData, load_run, read_repro
+from dsdebug.report.render import all_findings, command, flatten
 
 log = logging.getLogger(__name__)
 _MISSING = "(absent)"

@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 def finish_run(run_dir: str | Path) -> Path | None:
     run_dir = Path(run_dir)
     try:
-        from src.findings import Finding, get_channel
-        from src.report.load import load_run
-        from src.report.rules import evaluate
+        from dsdebug.findings import Finding, get_channel
+        from dsdebug.report.load import load_run
+        from dsdebug.report.rules import evaluate
 
         run = load_run(run_dir)
         seen = {(f.get("check"), f.get("code")) for f in run.findings}
@@ -28,7 +28,7 @@ def finish_run(run_dir: str | Path) -> Path | None:
     except Exception:  # noqa: BLE001
         log.warning("report: the troubleshooting rules failed", exc_info=True)
     try:
-        from src.report.render import write_report
+        from dsdebug.report.render import write_report
 
         html, _ = write_report(run_dir)
         log.info("report: %s", html)

@@ -21,8 +21,8 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-# read_history lives in load.py so that reading a run (python -m src.report) never imports lightning/torch
-from src.report.load import HISTORY_FILE, read_history  # noqa: E402,F401  (public here too)
+# read_history lives in load.py so that reading a run (python -m dsdebug.report) never imports lightning/torch
+from dsdebug.report.load import HISTORY_FILE, read_history  # noqa: E402,F401  (public here too)
 
 
 class HistoryLogger(Logger):

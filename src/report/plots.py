@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Callable
 
-from src.report.load import RunData
+from dsdebug.report.load import RunData
 
 _PHASES = ("data", "forward", "backward", "optimizer")
 _GRAD_SKIP = {"grad/norm/global"}
@@ -214,7 +214,7 @@ def comm_compute(run: RunData) -> bytes | None:
 
 
 def _plots_moe():
-    from src.report import plots_moe  # imports this module's helpers: import it late
+    from dsdebug.report import plots_moe  # imports this module's helpers: import it late
 
     return plots_moe
 

@@ -7,7 +7,7 @@ all-reduced ``[layers x experts]`` share into its details), with the per-window 
 
 from __future__ import annotations
 
-from src.report.load import RunData
+from dsdebug.report.load import RunData
 
 
 def _summary(run: RunData) -> dict | None:
@@ -22,7 +22,7 @@ def router_share(run: RunData) -> bytes | None:
         return None
     import numpy as np
 
-    from src.report.plots import _figure, _finite, _natural, _png
+    from dsdebug.report.plots import _figure, _finite, _natural, _png
 
     layers = sorted(details["share"], key=_natural)
     grid = np.array([details["share"][layer] for layer in layers], dtype=float)

@@ -12,10 +12,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from src.report import plots, rules
-from src.report.doc import Document
-from src.findings.ranks import name_ranks
-from src.report.load import RunData, load_run, read_overrides, read_ranks, read_repro, read_top_ops
+from dsdebug.report import plots, rules
+from dsdebug.report.doc import Document
+from dsdebug.findings.ranks import name_ranks
+from dsdebug.report.load import RunData, load_run, read_overrides, read_ranks, read_repro, read_top_ops
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from statistics import mean, pstdev
 from typing import Any
 
-from src.report.load import RunData
+from dsdebug.report.load import RunData
 
 CHECK = "advisor"
 

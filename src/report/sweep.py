@@ -1,7 +1,7 @@
 """`sweep_index(sweep_dir)`: one page for a multirun (``logs/train/multiruns/<time>/``).
 
 Each job subdir (``0/``, ``1/``, ...) is a run dir. What a job was run with and how it ended
-come from ``sweep_summary.json`` / ``<job>/job_status.json`` (src/trainer/sweep.py) when the
+come from ``sweep_summary.json`` / ``<job>/job_status.json`` (src/dist/sweep.py) when the
 sweep got that far, else from the job's own ``.hydra/overrides.yaml`` and metrics.json /
 crash.json. Writes ``sweep_index.html`` / ``.md`` in the sweep dir, each job linked to its
 ``report.html`` where one exists.
@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from src.report import plots
-from src.report.doc import Document
-from src.report.load import load_run, read_overrides
-from src.report.render import all_findings, last_value
+from dsdebug.report import plots
+from dsdebug.report.doc import Document
+from dsdebug.report.load import load_run, read_overrides
+from dsdebug.report.render import all_findings, last_value
 
 _RUN_FILES = ("config_resolved.yaml", "metrics.json", "history.jsonl", "findings.jsonl", "crash.json", ".hydra")
 

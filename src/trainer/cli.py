@@ -1,6 +1,6 @@
 """The command line around `train()`: one-line errors, exit codes, multirun dispatch.
 
-Exit codes: 0 ok, 1 a bug or a failed sweep job, 2 bad input (config, files, checkpoints).
+Exit codes: see dsdebug.errors (0 ok, 1 crashed or a failed sweep job, 2 bad input, 3 stopped by a check).
 """
 
 from __future__ import annotations
@@ -12,22 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError, fail, is_out_of_memory
+from dsdebug.errors import is_rank_zero as _is_rank_zero
 
 log = logging.getLogger(__name__)
 
 _HYDRA_FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
-
-
-def _is_rank_zero() -> bool:
-    # the same env vars Lightning's rank_zero_only reads, without importing Lightning
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
-
-
-def fail(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
-    if every_rank or _is_rank_zero():
-        print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> None:
@@ -55,7 +45,7 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir), version_base="1.3"):
             composed = [compose(config_name, overrides=list(job), return_hydra_config=True) for job in jobs]
-            from src.trainer.submitit_job import check_sweep, launcher_kind
+            from dsdebug.dist.submitit_job import check_sweep, launcher_kind
 
             if multirun and launcher_kind(composed[0].hydra):  # each job's ranks vs the SLURM tasks asked for
                 master = [o.input_line for o in parsed if not o.is_sweep_override()]  # what the launcher is built from
@@ -94,7 +84,7 @@ def _summarize_findings_after_crash() -> None:
     """On a crash rank 0 still prints what the checks found (often the cause)."""
     if not _is_rank_zero():
         return
-    from src.findings import get_channel
+    from dsdebug.findings import get_channel
 
     channel = get_channel()
     if channel.read_all():
@@ -121,9 +111,9 @@ def _dead_rank(exc: BaseException) -> str | None:
     """After an exception: did a rank die? Rank 0 polls its children, a child checks its
     parent (our launcher); under any launcher the store's heartbeats name the dead rank and its
     host. If so, that is the story, not our traceback."""
-    if "src.trainer.liveness" not in sys.modules:
+    if "dsdebug.dist.liveness" not in sys.modules:
         return None  # no rank was launched yet (e.g. a bad config caught by validate_config)
-    from src.trainer.liveness import dead_rank_message, parent_gone_message, peer_dead_message
+    from dsdebug.dist.liveness import dead_rank_message, parent_gone_message, peer_dead_message
 
     local = dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
     return local or peer_dead_message(exc)
@@ -131,7 +121,7 @@ def _dead_rank(exc: BaseException) -> str | None:
 
 def _reported_a_death() -> bool:
     """This rank wrote the rank_died finding (e.g. rank 1 when rank 0 died): it says so too."""
-    from src.trainer.liveness import state
+    from dsdebug.dist.liveness import state
 
     return bool(state.reported)
 
@@ -163,15 +153,6 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
     return "crashed", 1, None
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError (CUDA and other accelerators), or the CPU allocator's failure."""
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
-
-
 def _record_crash(status: str, code: int, error: str, exc: BaseException) -> None:
     """Rank 0 leaves ``crash.json`` in the run dir, then the report of the failed run."""
     if not _is_rank_zero():
@@ -192,8 +173,8 @@ def _record_crash(status: str, code: int, error: str, exc: BaseException) -> Non
     except Exception:  # noqa: BLE001 - never hide the original error
         log.debug("could not write crash.json", exc_info=True)
         return
-    if status != "bad_input" and "src.trainer.entry" in sys.modules:  # a run that got going
-        from src.report.finish import finish_run
+    if status != "bad_input" and "dsdebug.trainer.entry" in sys.modules:  # a run that got going
+        from dsdebug.report.finish import finish_run
 
         finish_run(run_dir)
 
@@ -205,15 +186,15 @@ def run(cfg: Any, script: str | None = None) -> float | None:
     from hydra.types import RunMode
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        from src.trainer.sweep import run_job_in_subprocess
+        from dsdebug.dist.sweep import run_job_in_subprocess
 
         return run_job_in_subprocess(cfg, script)
-    from src.trainer.validate import validate_config
+    from dsdebug.config.validate import validate_config
 
     _single_log_handler()
     try:
         validate_config(cfg)  # before the heavy imports: bad input fails in ~1 s
-        from src.trainer.entry import train
+        from dsdebug.trainer.entry import train
 
         metrics = train(cfg)
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
@@ -225,7 +206,7 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         if message is None:
             raise
         if status == "rank_died":
-            from src.trainer.liveness import ignore_sigterm_from_now
+            from dsdebug.dist.liveness import ignore_sigterm_from_now
 
             ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
         fail(message, code=code, every_rank=status == "rank_died" and _reported_a_death())

@@ -21,25 +21,26 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.errors import ConfigError
-from src.findings import configure_channel, get_channel
-from src.trainer.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
-from src.report.finish import finish_run
-from src.report.history import HistoryLogger
-from src.trainer.ds_config import apply_ds_json_to_cfg
-from src.trainer.final_step import FinalStep
-from src.trainer.global_batch import apply_global_batch_size, world_size
-from src.trainer.liveness import LivenessCallback, watch_parent
-from src.trainer.liveness import state as liveness_state
-from src.trainer.preemption import PreemptionCheckpoint
-from src.trainer.rank_files import RankFiles
-from src.trainer.reshard import enable_universal_loading, plan_resume
-from src.trainer.resume import check_resume_config, prepare_loggers, settle_run_dir
-from src.trainer.instantiate import instantiate_callbacks, instantiate_loggers
-from src.trainer.optim import scaled_lr
-from src.trainer.secrets import redact
-from src.trainer.tokenizer_check import check_fits_model, settle_tokenizer, settle_vocab_size
-from src.trainer.validate import fp16_supported, validate_config
+from dsdebug.callbacks import is_debug_check
+from dsdebug.errors import ConfigError, StoppedByCheck
+from dsdebug.findings import configure_channel, get_channel
+from dsdebug.checkpoint.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
+from dsdebug.report.finish import finish_run
+from dsdebug.report.history import HistoryLogger
+from dsdebug.config.ds_config import apply_ds_json_to_cfg
+from dsdebug.checkpoint.final_step import FinalStep
+from dsdebug.config.global_batch import apply_global_batch_size, world_size
+from dsdebug.dist.liveness import LivenessCallback, watch_parent
+from dsdebug.dist.liveness import state as liveness_state
+from dsdebug.checkpoint.preemption import PreemptionCheckpoint
+from dsdebug.dist.rank_files import RankFiles
+from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
+from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
+from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers
+from dsdebug.models.optim import scaled_lr
+from dsdebug.findings.secrets import redact
+from dsdebug.config.tokenizer_check import check_fits_model, settle_tokenizer, settle_vocab_size
+from dsdebug.config.validate import fp16_supported, validate_config
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
     # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
     callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
-    from src.callbacks.log_sync import fill_wandb_sweep_identity
+    from dsdebug.callbacks.log_sync import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
     loggers = instantiate_loggers(cfg.get("logger"))
@@ -92,7 +93,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     loggers.append(HistoryLogger(cfg.paths.output_dir))
     strategy = hydra.utils.instantiate(cfg.strategy)
     if getattr(strategy, "wall_clock_breakdown", False):  # the ds_config turned DeepSpeed's timers on
-        from src.callbacks.ds_wall_clock import DeepSpeedWallClock
+        from dsdebug.callbacks.ds_wall_clock import DeepSpeedWallClock
 
         callbacks.append(DeepSpeedWallClock())
     trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers)
@@ -170,15 +171,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-class StoppedByCheck(Exception):
-    """A check with ``on_error=stop`` ended the run (after the final checkpoint was saved)."""
-
-    exit_code = 3
-
-    def __init__(self, finding: Any) -> None:
-        super().__init__(f"stopped by {finding.check}/{finding.code} at step {finding.step}: {finding.message}")
-
-
 def _print_header(cfg: DictConfig, output_dir: Path) -> None:
     """What this run is, in a few lines: group choices, then every debug knob (torchtitan style)."""
     try:
@@ -191,7 +183,7 @@ def _print_header(cfg: DictConfig, output_dir: Path) -> None:
         picked = ""
     log.info("run: %s -> %s", picked, output_dir)
     for name, conf in (cfg.get("callbacks") or {}).items():
-        if isinstance(conf, DictConfig) and str(conf.get("_target_", "")).startswith("src.callbacks."):
+        if isinstance(conf, DictConfig) and is_debug_check(str(conf.get("_target_", ""))):
             knobs = {k: v for k, v in OmegaConf.to_container(conf, resolve=True).items() if k != "_target_"}
             log.info("debug: %s %s", name, knobs)
 

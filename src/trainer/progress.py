@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 class ThrottledRichProgressBar(RichProgressBar):
     def __init__(self, min_interval_s: float = 1.0, non_tty_interval_s: float = 30.0, **kwargs: Any) -> None:
-        from src.errors import ConfigError
+        from dsdebug.errors import ConfigError
 
         for key, value in (("min_interval_s", min_interval_s), ("non_tty_interval_s", non_tty_interval_s)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:

@@ -26,9 +26,9 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
 
-from src.trainer.ds_auto import resolve_auto_values
-from src.trainer.ds_config import load_ds_config
-from src.trainer.launcher import HydraLauncherMixin
+from dsdebug.config.ds_auto import resolve_auto_values
+from dsdebug.config.ds_config import load_ds_config
+from dsdebug.dist.launcher import HydraLauncherMixin
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine
         # would divide it again by gradient_accumulation_steps (the same number: Lightning sets
         # it), leaving gradients k times too small (Lightning #6170). The grad_scale check
-        # (src/trainer/grad_scale.py) verifies the scale at the start of every run.
+        # (src/callbacks/grad_scale.py) verifies the scale at the start of every run.
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -33,27 +33,12 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from src.errors import ConfigError
-from src.trainer.tokenizer_facts import ROLES, TOKENIZER_MARKERS, TokenizerFacts, facts_from_files, tokenizer_files
+from dsdebug.errors import ConfigError
+from dsdebug.data.tokenizer_facts import ROLES, check_has_eos, TOKENIZER_MARKERS, TokenizerFacts, facts_from_files, tokenizer_files
 
 log = logging.getLogger(__name__)
 
 # -- the rules ------------------------------------------------------------------------------
-
-
-def check_has_eos(facts: TokenizerFacts, label: str, config_file: Path | str) -> None:
-    if "eos" not in facts.roles:
-        return
-    token, token_id = facts.roles["eos"]
-    candidates = ", ".join(facts.special_tokens[:8]) or "none; add one to the tokenizer first"
-    if token is None:
-        raise ConfigError(
-            f"{label}: the tokenizer has no eos_token, but packing separates documents with it; valid: a "
-            f"tokenizer with an EOS token: set \"eos_token\" in {config_file} to the token that ends a "
-            f"document (its special tokens: {candidates})")
-    if token_id is None:
-        raise ConfigError(f"{label}: eos_token {token!r} is not in the tokenizer's vocabulary; valid: set "
-                          f"\"eos_token\" in {config_file} to one of its tokens (special ones: {candidates})")
 
 
 def check_fits_model(facts: TokenizerFacts, label: str, model_config: dict, where: str) -> None:

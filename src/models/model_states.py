@@ -92,7 +92,7 @@ def structure_paths(roots: list[tuple[str, object]], max_depth: int = 8) -> dict
     """storage -> (shortest attribute path from the roots, breadth first, indices stripped; nbytes)."""
     import torch
 
-    walkable = ("deepspeed", "torch", "transformers", "src")  # not lightning: the Trainer reaches the data
+    walkable = ("deepspeed", "torch", "transformers", "dsdebug")  # not lightning: the Trainer reaches the data
     paths: dict[int, tuple[str, int]] = {}
     seen: set[int] = set()
     queue = collections.deque((obj, name, 0) for name, obj in roots)

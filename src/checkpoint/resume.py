@@ -1,6 +1,6 @@
 """A resumed run: is its checkpoint from the same experiment, and does it continue in place.
 
-``src/trainer/checkpoints.py`` picks the checkpoint (``resume=auto|latest|latest_valid``, this
+``src/checkpoint/checkpoints.py`` picks the checkpoint (``resume=auto|latest|latest_valid``, this
 run dir first). Here, for a checkpoint a resume mode picked:
 
 **Same experiment?** (rank 0, after the config is final) The checkpoint's run dir has the
@@ -46,8 +46,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.trainer.integrity import CheckpointError, has_manifest, read_manifest
-from src.trainer.secrets import redact
+from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, read_manifest
+from dsdebug.findings.secrets import redact
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def check_resume_config(cfg: DictConfig, ckpt: str | None) -> None:
             f"resume={mode}: {ckpt} was written with another model/data config: {_describe(identity)}; resume with "
             f"the config it was written with ({saved_file}), or load it anyway with ckpt_path={ckpt}"
         )
-    from src.findings import Finding, get_channel
+    from dsdebug.findings import Finding, get_channel
 
     get_channel().report(Finding(
         check="checkpoint", severity="warning", code="resume_config_differs",

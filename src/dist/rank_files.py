@@ -38,9 +38,9 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from src.findings import get_channel
-from src.findings.channel import FINDINGS_FILE
-from src.findings.ranks import name_ranks
+from dsdebug.findings import get_channel
+from dsdebug.findings.channel import FINDINGS_FILE
+from dsdebug.findings.ranks import name_ranks
 
 __all__ = ["RankFiles", "merge_payloads", "rank_payload"]
 

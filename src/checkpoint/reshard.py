@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from src.trainer.integrity import CheckpointError, has_manifest, read_manifest, write_manifest
+from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def current_layout(cfg: Any, world_size: int) -> tuple[str, int | None]:
     stage = cfg.strategy.get("stage")
     config = cfg.strategy.get("config")
     if isinstance(config, str):
-        from src.trainer.ds_config import load_ds_config
+        from dsdebug.config.ds_config import load_ds_config
 
         stage = load_ds_config(config).get("zero_optimization", {}).get("stage", stage)
     elif config is not None and "zero_optimization" in config:

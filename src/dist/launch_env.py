@@ -11,7 +11,7 @@ user set explicitly on the command line (``trainer.devices=``/``trainer.num_node
 contradicts the launcher is an error, one line saying which values are valid. Every rank runs
 it; only rank 0 prints (src/trainer/cli.py).
 
-``src/trainer/run_dir.py`` does the part that must happen before Hydra (one run dir per job).
+``src/dist/run_dir.py`` does the part that must happen before Hydra (one run dir per job).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from omegaconf import open_dict
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def detect(env: Mapping[str, str] | None = None) -> LauncherWorld | None:
     """The external launcher that started this process, or None (a plain ``python train.py``, or
     a child rank started by our own launcher, which passes the run dir itself)."""
     env = os.environ if env is None else env
-    if env.get("DSDEBUG_LAUNCHER_PID"):  # our own child rank (src/trainer/launcher.py)
+    if env.get("DSDEBUG_LAUNCHER_PID"):  # our own child rank (src/dist/launcher.py)
         return None
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         world = int(env.get("WORLD_SIZE", "1"))

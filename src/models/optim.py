@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

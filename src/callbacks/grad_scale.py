@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 
 __all__ = ["GradScaleCheck"]
 
@@ -124,7 +124,7 @@ class GradScaleCheck(DebugCallback):
             f"gradients are {factor:.4g}x what the config implies: {why}; the optimizer sees the gradient of "
             f"{factor:.4g} x the mean loss over the accumulated batch, grad norms and thresholds are off by that "
             f"factor and clipping at max_norm c acts like c/{factor:.4g}",
-            "use src.trainer.strategy.DebugDeepSpeedStrategy (engine.backward(scale_wrt_gas=False)), or call "
+            "use dsdebug.trainer.strategy.DebugDeepSpeedStrategy (engine.backward(scale_wrt_gas=False)), or call "
             "engine.backward(loss, scale_wrt_gas=False) in your own strategy; with no accumulation the factor "
             "would not matter", details)
 
@@ -133,7 +133,7 @@ class GradScaleCheck(DebugCallback):
         if trainer.global_rank == 0:
             self.report(trainer, severity, code, message, advice, details, rank=None)
         elif severity == "error":
-            from src.findings import Finding
+            from dsdebug.findings import Finding
 
             self._apply_policy(trainer, Finding(self.name, severity, code, message, advice,
                                                 step=trainer.global_step, rank=None))

@@ -1,6 +1,6 @@
 """Every `_target_` in the config names something that exists, checked without importing it.
 
-Hydra would only find a typo (`model.net._target_=src.models.deepseek.build_deepseek_v4`)
+Hydra would only find a typo (`model.net._target_=dsdebug.models.deepseek.build_deepseek_v4`)
 when it instantiates, after the heavy imports, as a multi-line `InstantiationException`.
 Here modules are located with import machinery that does not execute them, and the name is
 looked up in the module's source (top-level defs, classes, assignments, imports). Modules
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 
 def check_targets(cfg: DictConfig) -> None:

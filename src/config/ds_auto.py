@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 # Keys that Lightning fills itself when absent: an "auto" there just means "absent".
 _LIGHTNING_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
@@ -126,7 +126,7 @@ def _schedule_values(module: Any, trainer: Any, settings: dict[str, Any]) -> dic
     schedule = dict(getattr(getattr(module, "scheduler_factory", None), "keywords", None) or {})
     warmup = None
     if total is not None:
-        from src.trainer.optim import warmup_length
+        from dsdebug.models.optim import warmup_length
 
         warmup = max(1, warmup_length(total, schedule.get("warmup_ratio", 0.0), schedule.get("warmup_steps")))
     return {"warmup_min_lr": 0, "warmup_max_lr": settings.get("lr"), "warmup_num_steps": warmup,

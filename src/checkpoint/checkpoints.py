@@ -1,7 +1,7 @@
 """Finding checkpoints to resume from, and exporting the final weights.
 
 A Lightning checkpoint is a file (DDP) or, under DeepSpeed, a directory of shards. It counts
-as complete once its manifest exists (``src/trainer/integrity.py``), and is verified against it
+as complete once its manifest exists (``src/checkpoint/integrity.py``), and is verified against it
 before a resume.
 
 Exports (rank 0, after fit):
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from src.trainer.integrity import CheckpointError, has_manifest, manifest_path, save_verified, verify_checkpoint
+from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, manifest_path, save_verified, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _report_skipped(path: Path, error: Exception) -> None:
 
     if rank_zero_only.rank != 0:
         return
-    from src.findings import Finding, get_channel
+    from dsdebug.findings import Finding, get_channel
 
     get_channel().report(Finding(
         check="checkpoint", severity="warning", code="checkpoint_corrupt",
@@ -176,13 +176,13 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
         if not hasattr(net, "save_pretrained"):
             log.warning("export.hf skipped: %s has no save_pretrained (not a HF model)", type(net).__name__)
             return exports
-        from src.models.deepseek import save_pretrained_dir
+        from dsdebug.models.deepseek import save_pretrained_dir
 
         hf_dir = out_dir / "hf"
         align_special_token_ids(net, tokenizer)
         save_pretrained_dir(net, hf_dir, tokenizer=None if tokenizer_dir else tokenizer, state_dict=net_state)
         if tokenizer_dir is not None:
-            from src.data.pretrained_tokenizer import copy_tokenizer_files
+            from dsdebug.data.pretrained_tokenizer import copy_tokenizer_files
 
             copy_tokenizer_files(tokenizer_dir, hf_dir)
         exports["hf"] = str(hf_dir)
@@ -193,7 +193,7 @@ def align_special_token_ids(net: Any, tokenizer: Any) -> None:
     """config.json (and generation_config.json) name the tokenizer's eos/bos/pad ids, so the export
     stops generating where the tokenizer ends a document. A random-init model's config carries its
     class defaults (DeepSeek-V3: eos 1, which is the BPE's pad); a pretrained model's already agree
-    (checked before training, src/trainer/tokenizer_check.py) and are left as they are."""
+    (checked before training, src/config/tokenizer_check.py) and are left as they are."""
     if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
         return
     configs = [c for c in (getattr(net, "config", None), getattr(net, "generation_config", None)) if c is not None]

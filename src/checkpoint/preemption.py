@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
+from dsdebug.dist.collectives import any_rank
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ class PreemptionCheckpoint(Callback):
         if not self.signals or trainer.global_step == self._last_step:
             return  # inside a gradient-accumulation window: not a step boundary
         self._last_step = trainer.global_step
-        if not DebugCallback.any_rank(trainer, self.received is not None):  # collective
+        if not any_rank(trainer, self.received is not None):  # collective
             return
-        from src.findings import Finding, get_channel
-        from src.trainer.integrity import save_verified
+        from dsdebug.findings import Finding, get_channel
+        from dsdebug.checkpoint.integrity import save_verified
 
         step = trainer.global_step
         self.path = self.dirpath / f"preempt_step_{step:06d}.ckpt"

@@ -17,12 +17,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from src.errors import ConfigError
-from src.trainer.ds_config import check_ds_json
-from src.trainer.global_batch import check_global_batch_size
-from src.trainer.launch_env import check_launcher_matches
-from src.trainer.targets import check_targets
-from src.trainer.tokenizer_check import check_tokenizer
+from dsdebug.errors import ConfigError, fail
+from dsdebug.config.ds_config import check_ds_json
+from dsdebug.config.global_batch import check_global_batch_size
+from dsdebug.dist.launch_env import check_launcher_matches
+from dsdebug.config.targets import check_targets
+from dsdebug.config.tokenizer_check import check_tokenizer
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 
@@ -284,8 +284,6 @@ def _check_run_dir(config: DictConfig, key: str) -> None:
     problem = dir_problem(run_dir)
     if problem is None:
         return
-    from src.trainer.cli import fail
-
     log_dir = OmegaConf.select(config, "paths.log_dir", default=None)
     if log_dir and Path(run_dir).absolute().is_relative_to(Path(str(log_dir)).absolute()):
         fail(f"paths.log_dir={log_dir}: cannot create the run dir {run_dir}: {problem}; "

@@ -11,7 +11,7 @@ Three moments:
 3. At strategy setup (ds_auto.resolve_auto_values): the remaining "auto" values are filled from
    the trainer, the module's optimizer settings and the model, the way HF Trainer does.
 
-What each key does: src/trainer/ds_keys.py and docs/ds_config.md.
+What each key does: src/config/ds_keys.py and docs/ds_config.md.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from src.errors import ConfigError
-from src.trainer import ds_keys
+from dsdebug.errors import ConfigError
+from dsdebug.config import ds_keys
 
 log = logging.getLogger(__name__)
 

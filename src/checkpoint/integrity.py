@@ -31,7 +31,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from src.trainer.liveness import ENV_PARENT, watch_children
-from src.trainer.liveness import state as liveness_state
+from dsdebug.dist.liveness import ENV_PARENT, watch_children
+from dsdebug.dist.liveness import state as liveness_state
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def _describe(returncode: int) -> str:
 
 
 def _report(rank: int, message: str, details: dict[str, Any]) -> None:
-    from src.findings import Finding, get_channel
+    from dsdebug.findings import Finding, get_channel
 
     if rank in state.reported:
         return
@@ -205,7 +205,7 @@ SIGTERM_HOLD_S = 20.0  # a held SIGTERM ends the rank after this at the latest (
 
 
 def _peer_report(verdict: dict) -> str:
-    from src.trainer.heartbeat import describe
+    from dsdebug.dist.heartbeat import describe
 
     message = describe(verdict)
     if state.heartbeat is not None and state.heartbeat.claimed(verdict):
@@ -229,13 +229,13 @@ def _on_peer_dead(verdict: dict) -> None:
 
 def _leave_crash_record(message: str) -> None:
     """Rank 0 ends from this thread: leave crash.json and the report, as the main thread would."""
-    from src.findings import get_channel
+    from dsdebug.findings import get_channel
 
     try:
         run_dir = get_channel().path.parent
         crash = {"status": "rank_died", "exit_code": 1, "error": message, "exception": "RankDied"}
         (run_dir / "crash.json").write_text(json.dumps(crash, indent=1))
-        from src.report.finish import finish_run
+        from dsdebug.report.finish import finish_run
 
         finish_run(run_dir)
     except Exception:  # noqa: BLE001 - never in the way of ending the rank
@@ -247,7 +247,7 @@ def peer_dead_message(exc: BaseException) -> str | None:
     hb = state.heartbeat
     if hb is None:
         return None
-    from src.trainer.heartbeat import looks_like_comm_failure
+    from dsdebug.dist.heartbeat import looks_like_comm_failure
 
     state.failing = True
     verdict = hb.find_dead(FIND_WAIT_S if looks_like_comm_failure(exc) else 0.0)
@@ -297,7 +297,7 @@ class LivenessCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or trainer.world_size < 2 or state.heartbeat is not None:
             return
-        from src.trainer.heartbeat import PREFIX, Heartbeat, side_store
+        from dsdebug.dist.heartbeat import PREFIX, Heartbeat, side_store
 
         store = side_store(PREFIX)
         if store is None:
@@ -316,7 +316,7 @@ class LivenessCallback(Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         state.failing = True  # before Lightning's teardown puts _guard_sigterm's handler back
         if state.heartbeat is not None:
-            from src.trainer.heartbeat import looks_like_comm_failure
+            from dsdebug.dist.heartbeat import looks_like_comm_failure
 
             state.heartbeat.mark_exit(f"failed: {type(exception).__name__}: {exception}",
                                       first_failure=not looks_like_comm_failure(exception))

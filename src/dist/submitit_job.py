@@ -4,7 +4,7 @@ What runs where (``python train.py -m hydra/launcher=slurm ...``):
 
 - the Hydra process composes the sweep, pickles the launcher and submits ONE sbatch job array:
   an array task per sweep job, ``%array_parallelism`` of them at a time. It then waits for the
-  results and prints the sweep summary (src/trainer/sweep.py);
+  results and prints the sweep summary (src/dist/sweep.py);
 - an array task is ``srun python -m submitit.core._submit``: ``tasks_per_node x nodes``
   processes, and every one of them runs the Hydra job function (src/trainer/cli.py ``run``);
 - each of those starts ``train.py`` for this job (`run_job_in_subprocess`), which inherits
@@ -27,7 +27,7 @@ Preemption: three signal handlers, one checkpoint, one requeue.
   ``max_num_timeout``); the requeued job runs in the same job dir.
 - ``train.py`` handles submitit's signal too (`child_overrides` adds it to ``preemption.signals``).
 - Lightning's SLURM auto-requeue (SIGUSR1 -> ``hpc_ckpt`` + ``scontrol requeue``) is not installed
-  while ``preemption.enabled``: src/trainer/preemption.py replaces Lightning's signal
+  while ``preemption.enabled``: src/checkpoint/preemption.py replaces Lightning's signal
   registration, so nothing requeues the job a second time.
 - SIGTERM: submitit ignores it in its own process; ``train.py`` checkpoints on it.
 """
@@ -40,7 +40,7 @@ import signal
 import subprocess
 from typing import Any, Callable
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

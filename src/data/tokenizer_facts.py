@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 # Files a tokenizer is made of (what save_pretrained writes, old and new formats); weights and the
 # model's config.json are not among them. The first group marks a directory as holding a tokenizer.
@@ -112,3 +112,18 @@ def facts_from_tokenizer(tok: Any) -> TokenizerFacts:
         token = None if token is None else str(token)
         facts.roles[role] = (token, None if token is None else vocab.get(token))
     return facts
+
+
+def check_has_eos(facts: TokenizerFacts, label: str, config_file: Path | str) -> None:
+    if "eos" not in facts.roles:
+        return
+    token, token_id = facts.roles["eos"]
+    candidates = ", ".join(facts.special_tokens[:8]) or "none; add one to the tokenizer first"
+    if token is None:
+        raise ConfigError(
+            f"{label}: the tokenizer has no eos_token, but packing separates documents with it; valid: a "
+            f"tokenizer with an EOS token: set \"eos_token\" in {config_file} to the token that ends a "
+            f"document (its special tokens: {candidates})")
+    if token_id is None:
+        raise ConfigError(f"{label}: eos_token {token!r} is not in the tokenizer's vocabulary; valid: set "
+                          f"\"eos_token\" in {config_file} to one of its tokens (special ones: {candidates})")

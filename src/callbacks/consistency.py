@@ -10,7 +10,7 @@ How (every rank, once, at ``setup`` of fit: one ``all_gather_object`` through th
 each rank contributes its host name and a flat dict of facts; rank 0 compares them and writes one
 warning per differing key, naming the key, the ranks and hosts that differ and their values. The
 values of secret-looking variables (``*TOKEN*``, ``*PASSWORD*``, ... as in
-``src/trainer/secrets.py``) never leave the rank: they travel as a digest and print as ``***``.
+``src/findings/secrets.py``) never leave the rank: they travel as a digest and print as ``***``.
 Nothing happens after setup; a 1-process run compares nothing.
 
 Facts (keys as they appear in findings; ``ignore`` takes fnmatch patterns over them):
@@ -59,10 +59,10 @@ from typing import Any
 
 import torch
 
-from src.callbacks.base import DebugCallback
-from src.errors import ConfigError
-from src.findings.ranks import name_ranks
-from src.trainer.secrets import REDACTED, SECRET_KEY, redact
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
+from dsdebug.findings.ranks import name_ranks
+from dsdebug.findings.secrets import REDACTED, SECRET_KEY, redact
 
 __all__ = ["ConsistencyCheck", "rank_facts", "compare_facts", "config_hash"]
 

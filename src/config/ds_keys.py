@@ -23,7 +23,7 @@ import difflib
 import os
 from typing import Any
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 SETTLED = {
     "train_batch_size": "with train_micro_batch_size_per_gpu and gradient_accumulation_steps, DeepSpeed's rule "

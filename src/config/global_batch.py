@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from src.errors import ConfigError
+from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

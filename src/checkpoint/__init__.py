@@ -1,0 +1,1 @@
+"""Checkpoints: manifests and integrity, resume and reshard, the final export."""

@@ -1,0 +1,56 @@
+"""The training command: ``dsdebug-train [group=option ...] [key=value ...]`` (installed), or
+``python train.py ...`` from a checkout, or ``python -m dsdebug.train ...`` — one Hydra CLI.
+
+compose (Hydra, conf/train.yaml) -> precheck -> prepare -> build -> fit -> export -> report.
+Examples: ``dsdebug-train strategy=zero3 trainer=ddp_sim``,
+``dsdebug-train -m optim.lr=1e-3,3e-3 strategy=zero2,zero3 trainer=ddp_sim trainer.max_steps=5``.
+
+The config tree is the checkout's ``conf/``, shipped in the package as ``dsdebug.conf`` (package
+data), so the command works from any directory. Logs and data caches go under
+``$PROJECT_ROOT`` (default: the current directory; a checkout's ``train.py`` sets its own root).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ENV_ENTRY = "DSDEBUG_ENTRY"  # the script a sweep job re-runs (submitit pickles the task function)
+
+
+def config_dir() -> Path:
+    """The config tree: the package's ``dsdebug.conf`` (installed or editable), else a checkout's ``conf/``."""
+    spec = importlib.util.find_spec("dsdebug.conf")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))).resolve()
+    return Path(__file__).resolve().parents[1] / "conf"
+
+
+def main(entry: str | None = None) -> None:
+    import hydra
+
+    from dsdebug.trainer.cli import precheck_overrides, run
+    from dsdebug.dist.launch_env import detect
+    from dsdebug.dist.run_dir import main_argv
+
+    os.environ.setdefault("PROJECT_ROOT", os.getcwd())
+    os.environ.setdefault(ENV_ENTRY, str(Path(entry or sys.argv[0]).resolve()))
+    conf = config_dir()
+
+    @hydra.main(version_base="1.3", config_path=str(conf), config_name="train")
+    def task(cfg):
+        # a submitit job runs this function, pickled, under its own argv
+        return run(cfg, script=os.environ.get(ENV_ENTRY))
+
+    sys.argv[1:] = main_argv()  # torchrun / srun / deepspeed: one run dir for every rank of the job
+    # our own child ranks were started from a checked config; an external launcher's were not
+    # (every rank checks; only rank 0 prints the error line)
+    if os.environ.get("LOCAL_RANK", "0") == "0" or detect() is not None:
+        precheck_overrides(sys.argv[1:], conf, "train")
+    task()
+
+
+if __name__ == "__main__":
+    main()

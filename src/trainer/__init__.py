@@ -1,0 +1,1 @@
+"""Hydra task entry, preflight, launch, liveness and checkpoints (see docs/architecture.md)."""

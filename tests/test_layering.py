@@ -1,0 +1,119 @@
+"""The package's layers hold: no module imports a package above its own, and no import cycle.
+
+Layers, bottom to top (docs/architecture.md): a module may import its own package and those
+below it. ``test_a_planted_upward_import_fails`` plants one and checks that the rule catches it.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+from tests.conftest import REPO
+
+LAYERS = ["errors", "findings", "report", "models", "data", "dist", "config", "checkpoint", "callbacks", "trainer",
+          "train"]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every ``dsdebug.*`` import in a file, at any depth (lazy imports count)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("dsdebug"):
+            out.append((node.lineno, node.module))
+            if node.module == "dsdebug":  # from dsdebug import config
+                out += [(node.lineno, f"dsdebug.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("dsdebug")]
+    return out
+
+
+def _layer(parts: tuple[str, ...]) -> str:
+    return parts[0].removesuffix(".py")
+
+
+def violations(src: Path) -> list[str]:
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).parts
+        if rel == ("__init__.py",):
+            continue
+        own = _layer(rel)
+        assert own in LAYERS, f"src/{'/'.join(rel)}: package {own!r} has no layer; add it to LAYERS and docs"
+        for line, module in _imports(path):
+            parts = module.split(".")
+            if len(parts) < 2:
+                continue
+            target = parts[1]
+            assert target in LAYERS, f"src/{'/'.join(rel)}:{line} imports {module}: no such layer"
+            if LAYERS.index(target) > LAYERS.index(own):
+                bad.append(f"src/{'/'.join(rel)}:{line} ({own}) imports {module} ({target} is above it)")
+    return bad
+
+
+def module_cycles(src: Path) -> list[list[str]]:
+    """Cycles among module-level (not lazy, not TYPE_CHECKING) imports between modules."""
+    names = {}
+    for path in src.rglob("*.py"):
+        rel = path.relative_to(src).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        names[".".join(("dsdebug", *parts))] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:  # top level only: function-level imports run later
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for cand in [node.module] + [f"{node.module}.{a.name}" for a in node.names]:
+                    if cand in names and cand != name:
+                        deps.add(cand)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in names and a.name != name}
+        graph[name] = deps
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_upward_import():
+    assert violations(REPO / "src") == []
+
+
+def test_no_import_cycle():
+    assert module_cycles(REPO / "src") == []
+
+
+def test_every_package_has_a_layer_and_is_installed():
+    packages = sorted(p.name for p in (REPO / "src").iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert set(packages) <= set(LAYERS)
+    import tomllib
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert sorted(listed) == sorted(["dsdebug", "dsdebug.conf", *(f"dsdebug.{p}" for p in packages)])
+
+
+def test_a_planted_upward_import_fails(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    channel = src / "findings" / "channel.py"
+    channel.write_text(channel.read_text() + "\n\ndef _late():\n    from dsdebug.trainer.cli import run  # planted\n")
+    bad = violations(src)
+    assert len(bad) == 1 and "src/findings/channel.py" in bad[0] and "dsdebug.trainer.cli" in bad[0], bad
+    assert module_cycles(src) == []  # a lazy import is no cycle, but it is still upward
+    models = src / "models" / "flops.py"
+    models.write_text("from dsdebug.models.deepseek import build_deepseek_v3\n" + models.read_text())
+    deepseek = src / "models" / "deepseek.py"
+    deepseek.write_text("from dsdebug.models.flops import flops_per_token\n" + deepseek.read_text())
+    assert any({"dsdebug.models.flops", "dsdebug.models.deepseek"} <= set(c) for c in module_cycles(src))
