@@ -21,11 +21,15 @@ ENV_ENTRY = "DSDEBUG_ENTRY"  # the script a sweep job re-runs (submitit pickles 
 
 
 def config_dir() -> Path:
-    """The config tree: the package's ``dsdebug.conf`` (installed or editable), else a checkout's ``conf/``."""
+    """The config tree: a checkout's ``conf/`` next to ``src/``, else the installed ``dsdebug.conf``."""
+    checkout = Path(__file__).resolve().parents[1] / "conf"
+    if (checkout / "train.yaml").is_file():
+        return checkout
     spec = importlib.util.find_spec("dsdebug.conf")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations))).resolve()
-    return Path(__file__).resolve().parents[1] / "conf"
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: dsdebug's config tree (dsdebug.conf) is not installed; valid: pip install dsdebug "
+                         "(or run train.py from a checkout)")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def main(entry: str | None = None) -> None:
