@@ -76,6 +76,7 @@ class FindingsChannel:
         self.path = Path(run_dir) / FINDINGS_FILE if run_dir is not None else None
         self.local: list[Finding] = []  # what this process reported
         self.stop_request: Finding | None = None  # set by a check whose policy is "stop"
+        self.sinks: list[Any] = []  # callables given each finding (rank 0's dashboards: sinks.py)
 
     def report(self, finding: Finding) -> Finding:
         logging.getLogger(f"findings.{finding.check}").log(_LEVELS[finding.severity], finding.line())
@@ -88,6 +89,8 @@ class FindingsChannel:
                 os.write(fd, data)
             finally:
                 os.close(fd)
+        for sink in self.sinks:
+            sink(finding)
         return finding
 
     def read_all(self) -> list[dict[str, Any]]:

@@ -17,3 +17,12 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, list):
         return [redact(v) for v in obj]
     return obj
+
+
+_SECRET_ASSIGNMENT = re.compile(r"(?P<key>[\w.-]*(?:" + SECRET_KEY.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)"
+                                r"(?P<q>['\"]?)[^\s,;'\"]+(?P=q)", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """Free text (a finding's message) with the value of each ``<secret-looking key>=<value>`` replaced."""
+    return _SECRET_ASSIGNMENT.sub(lambda m: f"{m.group('key')}{m.group('sep')}{REDACTED}", text)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from dsdebug.callbacks import is_debug_check
 from dsdebug.errors import ConfigError, StoppedByCheck
 from dsdebug.findings import configure_channel, get_channel
+from dsdebug.findings.sinks import attach_dashboards
 from dsdebug.checkpoint.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
 from dsdebug.report.finish import finish_run
 from dsdebug.report.history import HistoryLogger
@@ -133,7 +134,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule, module, trainer, final_ckpt = build(cfg)
     if universal:
         enable_universal_loading(trainer.strategy)
+    dashboards = None
     if rank_zero_only.rank == 0:
+        dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
         check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
         _print_header(cfg, output_dir)
         settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
@@ -164,6 +167,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
+        if dashboards is not None:  # every rank's findings and the advisor's, then W&B's findings table
+            dashboards.finish(channel.read_all())
         _print_summary(metrics, output_dir)
         channel.print_summary()
     if channel.stop_request is not None:
