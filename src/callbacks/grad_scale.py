@@ -155,6 +155,6 @@ def _loss_scale(trainer: Any) -> float:
     # the same two branches as DeepSpeedEngine.backward, applied to a unit "loss"
     probe = torch.ones((), requires_grad=True) * 1.0
     if isinstance(engine.optimizer, ZeROOptimizer):
-        return float(engine.optimizer.scale_if_loss(probe))
+        return float(engine.optimizer.scale_if_loss(probe).detach())
     scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
     return float(scaler.scale(probe)) if scaler is not None else 1.0

@@ -73,13 +73,6 @@ def find_config_error(exc: BaseException | None) -> ConfigError | None:
     return None
 
 
-def _single_log_handler() -> None:
-    """Lightning adds its own console handler; Hydra's root handlers (console + per-rank
-    log file) already get every record, so without this each line prints twice."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).handlers.clear()
-
-
 def _summarize_findings_after_crash() -> None:
     """On a crash rank 0 still prints what the checks found (often the cause)."""
     if not _is_rank_zero():
@@ -191,11 +184,14 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         return run_job_in_subprocess(cfg, script)
     from dsdebug.config.validate import validate_config
 
-    _single_log_handler()
+    from dsdebug.dist.console import filter_known_warnings, quiet_console
+
+    filter_known_warnings()
     try:
         validate_config(cfg)  # before the heavy imports: bad input fails in ~1 s
         from dsdebug.trainer.entry import train
 
+        quiet_console()  # after importing lightning: its import may add a console handler of its own
         metrics = train(cfg)
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
         _record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)

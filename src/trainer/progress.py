@@ -5,6 +5,7 @@ batch. On the default CPU run (~0.35 s/step) that cost 5-9 % of the step time
 (benchmarks/framework_vs_raw.py, docs/benchmarks.md); at GPU step times it would be more.
 Here the per-batch update runs only when ``min_interval_s`` has passed since the last one (and
 always for the last batch of an epoch), so a human still sees it move about once a second.
+The bar's title is "Epoch <n>" on a step-limited run (Lightning's reads "Epoch 0/-2" there).
 When stdout is not a terminal (a batch job writing to a log file, where every redraw is a
 line of log) the interval is ``non_tty_interval_s``.
 """
@@ -40,3 +41,12 @@ class ThrottledRichProgressBar(RichProgressBar):
             return
         self._last_update = now
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        """"Epoch 0", or "Epoch 0/9" with a real epoch limit: Lightning writes ``max_epochs - 1``,
+        which for a step-limited run (``max_epochs=-1``) is "Epoch 0/-2"."""
+        description = super()._get_train_description(current_epoch)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 0:
+            description = description.replace(f"/{max_epochs - 1}", "")
+        return description

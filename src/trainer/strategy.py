@@ -183,7 +183,11 @@ def enable_activation_checkpointing(config: dict, module: Any, is_global_zero: b
         return
     net = getattr(module, "net", module)
     if hasattr(net, "gradient_checkpointing_enable") and getattr(net, "supports_gradient_checkpointing", False):
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(net, "activation_checkpointing_enable", None)  # transformers 5's name (the old one warns)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if is_global_zero:
             log.info("ds_config activation_checkpointing: gradient checkpointing on for %s (activations are "
                      "recomputed in backward: less memory, about a third more compute)", type(net).__name__)
