@@ -7,7 +7,6 @@ steps, gradient clipping at max_norm=1.0 (clipping itself is the Trainer's/DeepS
 from __future__ import annotations
 
 import logging
-import math
 from typing import Iterable
 
 import torch
@@ -36,21 +35,19 @@ def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.1,
                   warmup_steps: int | None = None, min_lr_ratio: float = 0.1) -> LambdaLR:
-    """Linear warmup from ~0 to the peak LR, then cosine decay to ``min_lr_ratio * peak``."""
+    """Linear warmup from 0 to the peak LR, then cosine decay to ``min_lr_ratio * peak``: transformers'
+    ``get_cosine_with_min_lr_schedule_with_warmup``, sized from the run's optimizer steps and our
+    config keys (``optim.scheduler.warmup_ratio|warmup_steps|min_lr_ratio``)."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
     if not 0.0 <= warmup_ratio < 1.0:
         raise ConfigError(f"optim.scheduler.warmup_ratio must be in [0, 1), got {warmup_ratio}")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     total_steps = max(1, int(total_steps))
-    warmup = warmup_length(total_steps, warmup_ratio, warmup_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return LambdaLR(optimizer, factor)
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup_length(total_steps, warmup_ratio, warmup_steps),
+        num_training_steps=total_steps, min_lr_rate=float(min_lr_ratio))
 
 
 def warmup_length(total_steps: int, warmup_ratio: float, warmup_steps: int | None = None) -> int:
