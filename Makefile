@@ -1,4 +1,4 @@
-# make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU).
+# make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU) with debug=light.
 # make test:  set up .venv and run the test suite.
 # On a CPU-only machine torch==2.13.0 is the CPU build (from the local wheel cache or
 # TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu). GPU users: see README.
@@ -10,17 +10,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup train test test-fast bench bench-full clean-logs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# debug=light first (cheap always-on checks, <= 2% step time): the first report has gradient norms,
+# rank stats and findings; ARGS come after and win (make train ARGS="debug=none" for a bare run).
 train: setup
-	$(PY) train.py $(ARGS)
+	$(PY) train.py debug=light $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
