@@ -3,9 +3,9 @@ lines, no advertisement, no "Epoch 0/-2", and the known third-party warnings are
 
 What "a line" is here: stdout and stderr split at newlines and carriage returns (a progress bar
 redraws with ``\\r``), right-stripped. Not counted: blank lines, progress-bar frames (bar glyphs,
-tqdm's ``it/s]``, the bar's ``key: value`` continuation lines) and table borders (box-drawing
-characters only). "Printed twice": the same line twice (two handlers with the same format: the
-same timestamp), or a line without Hydra's ``[time][host][logger][LEVEL] - `` prefix that
+tqdm's ``it/s]``, the bar's ``key: value`` continuation lines) and tables (borders, and rows,
+whose wrapped cells can repeat: the findings summary). "Printed twice": the same line twice (two
+handlers with the same format: the same timestamp), or a line without Hydra's ``[time][host][logger][LEVEL] - `` prefix that
 repeats the message of a prefixed one (a second handler with its own format: Lightning's)."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def console_lines(text: str) -> list[str]:
     out = []
     for line in re.split(r"[\r\n]", text):
         line = line.rstrip()
-        if not line.strip() or "━" in line or "it/s]" in line or _BOX.match(line) or _BAR_METRIC.match(line.strip()):
+        if (not line.strip() or "━" in line or "it/s]" in line or _BOX.match(line) or _BAR_METRIC.match(line.strip())
+                or line.lstrip().startswith(("│", "┃"))):  # a table's row: wrapped cells may repeat
             continue
         out.append(line)
     return out
@@ -75,6 +76,8 @@ def test_known_warnings_are_filtered_with_a_reason():
         console.filter_known_warnings()
         warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning,
                                "_pytree.py", 21, module="lightning.pytorch.utilities._pytree")
+        warnings.warn_explicit("torch.distributed.nn.functional.all_gather is deprecated, use ...", FutureWarning,
+                               "distributed.py", 247, module="lightning.fabric.utilities.distributed")
         warnings.warn("an unknown warning stays", UserWarning)
     assert [str(w.message) for w in caught] == ["an unknown warning stays"]
 

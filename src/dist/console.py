@@ -25,6 +25,8 @@ LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 KNOWN_WARNINGS: list[tuple[type[Warning], str, str, str]] = [
     (Warning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.",
      "Lightning 2.6.6 calls a torch pytree API that torch 2.13 deprecated; Lightning's business, harmless"),
+    (Warning, r"torch\.distributed\.nn\.functional\.all_gather is deprecated", r"lightning\.",
+     "Lightning 2.6.6's all_gather (the checks' cross-rank stats) uses a torch API that torch 2.13 deprecated; harmless"),
 ]
 
 
