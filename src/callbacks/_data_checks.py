@@ -71,10 +71,11 @@ class DatasetChecks:
         severe = r["exact"] > 0 or frac > self.overlap_warn_fraction
         where = f"val sample {ex['val_index']} / train sample {ex['train_index']}"
         code = "train_val_overlap" if severe else "train_val_overlap_small"
-        spans = (f" and {r['ngram_overlap']} of {r['val_samples']} share a {r['ngram']}-token span with train"
-                 if r["ngram"] else f" (of {r['val_samples']}, compared by value)")
+        what = (f"{r['exact']} val samples are exact copies of train samples and {r['ngram_overlap']} of "
+                f"{r['val_samples']} share a {r['ngram']}-token span with train" if r["ngram"] else
+                f"{r['exact']} of {r['val_samples']} val samples are exact copies of train samples, compared by value")
         self.report(trainer, "warning" if severe else "info", code,
-                    f"{r['exact']} val samples are exact copies of train samples{spans} (e.g. {where}: "
+                    f"{what} (e.g. {where}: "
                     f"{ex['text'][:120]!r}): val loss overstates generalisation",
                     advice="deduplicate documents before splitting; split by document, not by block",
                     details={**r, "example": ex, "fraction": frac}, rank=None)
