@@ -7,8 +7,12 @@ convention and used with another (double shift: the model learns token t+2), and
 dataloader workers. It also prints and saves the first batch (shapes, dtypes, ranges,
 padding, decoded text) -- seeing it catches most input-pipeline bugs in seconds.
 
-How: a batch fingerprint is an order-sensitive int64 hash of ``input_ids`` computed where the
-batch lives (no host sync). Overlap: exact sample hashes plus rolling hashes of every
+How: a batch fingerprint is an order-sensitive int64 hash of ``input_ids`` (else the batch's
+first tensor) computed where the batch lives (no host sync). Any dtype: non-integer data
+(float features) is hashed by its bit patterns and samples by their bytes, so copies are found
+by value; the token-only checks (labels, n-gram overlap, padding, decoding) are skipped for it
+and the ``first_batch`` finding says so (library: ``_fingerprint.py``; dataset-level checks:
+``_data_checks.py``). Overlap: exact sample hashes plus rolling hashes of every
 ``overlap_ngram``-token window (vectorised, O(tokens); ~0.15 s for the full 1M-token KJV).
 Label convention: from the first batch (labels == input_ids, or labels[t] == input_ids[t+1])
 against the module's: ``shifts_labels`` on the LightningModule if set, else known for
