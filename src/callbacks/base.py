@@ -12,19 +12,37 @@ Error policy (``on_error``), for findings of severity ``error``:
 - ``skip``: ask the LightningModule to skip this optimizer step (``skip_optimizer_step``),
   for checks that run before the update;
 - ``stop``: the run saves a checkpoint and stops, exiting non-zero (code 3).
+
+Standalone (a plain ``L.Trainer``, no framework): every check's ``setup`` first calls
+`attach_channel`, which points an unconfigured findings channel at
+``<trainer.log_dir>/findings.jsonl`` (docs/standalone.md). Subclasses that define their own
+``setup`` get this too (``__init_subclass__`` wraps it), so no check can forget it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from lightning.pytorch import Callback
 
 from dsdebug.dist.collectives import any_rank
 from dsdebug.errors import ConfigError
-from dsdebug.findings import Finding, get_channel
+from dsdebug.findings import Finding, auto_configure, get_channel, needs_auto
 
 POLICIES = ("warn", "skip", "stop")
+
+
+def attach_channel(trainer: Any) -> None:
+    """Point the findings channel at this run when nobody configured it (a plain Lightning project).
+
+    COLLECTIVE when it acts: ``trainer.log_dir`` broadcasts rank 0's logger version, so every rank
+    calls this at the same point (each check's ``setup``, same callback order on every rank; the
+    decision ``needs_auto`` is alike on every rank). Under the framework (configure_channel) it
+    does nothing and costs nothing."""
+    if trainer is None or not needs_auto(trainer):
+        return
+    auto_configure(trainer.log_dir or trainer.default_root_dir, trainer)
 
 
 class DebugCallback(Callback):
@@ -35,6 +53,23 @@ class DebugCallback(Callback):
         if on_error not in POLICIES:
             raise ConfigError(f"callbacks.{self.name}.on_error={on_error!r} is invalid; valid: {', '.join(POLICIES)}")
         self.on_error = on_error
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("setup")
+        if own is None or getattr(own, "_attaches_channel", False):
+            return
+
+        @functools.wraps(own)
+        def setup(self: Any, trainer: Any, pl_module: Any, stage: str) -> None:
+            attach_channel(trainer)  # COLLECTIVE when it acts (see attach_channel)
+            return own(self, trainer, pl_module, stage)
+
+        setup._attaches_channel = True  # type: ignore[attr-defined]
+        cls.setup = setup  # type: ignore[method-assign]
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        attach_channel(trainer)  # COLLECTIVE when it acts (see attach_channel)
 
     def report(self, trainer: Any, severity: str, code: str, message: str, advice: str = "",
                details: dict | None = None, rank: int | None | str = "self", step: int | None | str = "self") -> Finding:

@@ -7,8 +7,12 @@ convention and used with another (double shift: the model learns token t+2), and
 dataloader workers. It also prints and saves the first batch (shapes, dtypes, ranges,
 padding, decoded text) -- seeing it catches most input-pipeline bugs in seconds.
 
-How: a batch fingerprint is an order-sensitive int64 hash of ``input_ids`` computed where the
-batch lives (no host sync). Overlap: exact sample hashes plus rolling hashes of every
+How: a batch fingerprint is an order-sensitive int64 hash of ``input_ids`` (else the batch's
+first tensor) computed where the batch lives (no host sync). Any dtype: non-integer data
+(float features) is hashed by its bit patterns and samples by their bytes, so copies are found
+by value; the token-only checks (labels, n-gram overlap, padding, decoding) are skipped for it
+and the ``first_batch`` finding says so (library: ``_fingerprint.py``; dataset-level checks:
+``_data_checks.py``). Overlap: exact sample hashes plus rolling hashes of every
 ``overlap_ngram``-token window (vectorised, O(tokens); ~0.15 s for the full 1M-token KJV).
 Label convention: from the first batch (labels == input_ids, or labels[t] == input_ids[t+1])
 against the module's: ``shifts_labels`` on the LightningModule if set, else known for
@@ -60,133 +64,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from dsdebug.callbacks._data_checks import DatasetChecks, _loader, _module_shifts
+from dsdebug.callbacks._fingerprint import (dataset_samples, find_overlap, fingerprint, input_ids_of,  # noqa: F401
+                                            label_pattern, sample_hashes, window_hashes)
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 
 log = logging.getLogger(__name__)
-_B = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64, so window hashes need no division
-_B_INV = pow(_B, -1, 2**64)
 
 
-def input_ids_of(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, dict):
-        return batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    return batch if isinstance(batch, torch.Tensor) else None
-
-
-def dataset_samples(dataset: Any, max_tokens: int, max_samples: int | None = None) -> list[np.ndarray] | None:
-    """input_ids of the first samples, up to ``max_tokens`` tokens (vectorised for packed blocks)."""
-    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        return None
-    limit = min(len(dataset), max_samples or len(dataset))
-    if all(hasattr(dataset, a) for a in ("tokens", "seq_len", "start")):  # dsdebug.data PackedBlocks
-        a, t = dataset.start, dataset.seq_len
-        n = min(limit, max(1, max_tokens // t))
-        return list(np.asarray(dataset.tokens[a : a + n * t], dtype=np.int64).reshape(n, t))
-    out, total = [], 0
-    for i in range(limit):
-        ids = input_ids_of(dataset[i])
-        out.append(np.asarray(ids if ids is not None else [], dtype=np.int64).reshape(-1))
-        total += len(out[-1])
-        if total >= max_tokens:
-            break
-    return out
-
-
-def window_hashes(samples: list[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Hashes of every n-token window inside each sample: (hashes, sample index, offset in sample).
-    Polynomial hash mod 2**64 from prefix sums (B odd, so B**-i exists); windows never cross
-    a sample boundary. O(tokens), vectorised."""
-    lengths = np.array([len(s) for s in samples], dtype=np.int64)
-    empty = np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    if n <= 0 or lengths.max(initial=0) < n:
-        return empty
-    flat = np.concatenate(samples).astype(np.uint64) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        powers = np.concatenate([[np.uint64(1)], np.cumprod(np.full(len(flat) - 1, _B, np.uint64))])
-        inv = np.concatenate([[np.uint64(1)], np.cumprod(np.full(len(flat) - 1, _B_INV, np.uint64))])
-        prefix = np.concatenate([[np.uint64(0)], np.cumsum(flat * powers, dtype=np.uint64)])
-        starts = np.arange(len(flat) - n + 1)
-        hashes = (prefix[starts + n] - prefix[starts]) * inv[starts]
-    sample_of = np.repeat(np.arange(len(samples)), lengths)
-    valid = sample_of[starts] == sample_of[starts + n - 1]
-    starts = starts[valid]
-    offsets = starts - np.concatenate([[0], np.cumsum(lengths)[:-1]])[sample_of[starts]]
-    return hashes[valid], sample_of[starts], offsets
-
-
-def sample_hashes(samples: list[np.ndarray]) -> np.ndarray:
-    return np.array([int.from_bytes(hashlib.blake2b(s.tobytes(), digest_size=8).digest(), "little")
-                     for s in samples], dtype=np.uint64)
-
-
-def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
-    """np.isin via sort + searchsorted (numpy's hash-based isin is ~10x slower on 1M uint64)."""
-    if not len(pool):
-        return np.zeros(len(values), bool)
-    pool = np.sort(pool)
-    return pool[np.minimum(np.searchsorted(pool, values), len(pool) - 1)] == values
-
-
-def find_overlap(train: list[np.ndarray], val: list[np.ndarray], n: int) -> dict[str, Any]:
-    """Exact duplicate samples and val samples sharing an n-token window with train."""
-    t_exact, v_exact = sample_hashes(train), sample_hashes(val)
-    exact = np.nonzero(_member(v_exact, t_exact))[0]
-    out: dict[str, Any] = {"val_samples": len(val), "train_samples": len(train), "exact": len(exact),
-                           "ngram": n, "ngram_overlap": 0, "example": None}
-    if len(exact):
-        v = int(exact[0])
-        out["example"] = {"val_index": v, "train_index": int(np.nonzero(t_exact == v_exact[v])[0][0]),
-                          "offset": 0, "ids": val[v][:n].tolist()}
-    if n > 0:
-        th, ts, to = window_hashes(train, n)
-        vh, vs, vo = window_hashes(val, n)
-        hit = _member(vh, th)
-        out["ngram_overlap"] = int(len(np.unique(vs[hit])))
-        if hit.any() and out["example"] is None:
-            k = int(np.nonzero(hit)[0][0])
-            j = int(np.nonzero(th == vh[k])[0][0])
-            out["example"] = {"val_index": int(vs[k]), "val_offset": int(vo[k]), "train_index": int(ts[j]),
-                              "train_offset": int(to[j]), "ids": val[vs[k]][vo[k] : vo[k] + n].tolist()}
-    return out
-
-
-def _loader(obj: Any) -> Any:
-    """The first DataLoader of what Lightning holds (a loader, list, dict or CombinedLoader)."""
-    while isinstance(obj, (list, tuple, dict)) and obj:
-        obj = next(iter(obj.values())) if isinstance(obj, dict) else obj[0]
-    return obj
-
-
-def _module_shifts(pl_module: Any) -> tuple[bool | None, str]:
-    """Does the module's loss shift labels itself? (attribute ``shifts_labels`` wins)."""
-    declared = getattr(pl_module, "shifts_labels", None)
-    if isinstance(declared, bool):
-        return declared, f"{type(pl_module).__name__}.shifts_labels={declared}"
-    return None, f"unknown for {type(pl_module).__name__} (set shifts_labels=True/False on it)"
-
-
-def label_pattern(ids: torch.Tensor, labels: torch.Tensor) -> str:
-    """'same' (labels == input_ids), 'shifted' (labels[t] == input_ids[t+1]), 'ignored', or 'other'."""
-    keep = labels != -100
-    if not keep.any():
-        return "ignored"
-    if ids.shape == labels.shape and bool((labels[keep] == ids[keep]).all()):
-        return "same"
-    if ids.dim() == 2 and ids.shape == labels.shape and ids.shape[1] > 1:
-        k = keep[:, :-1]
-        if k.any() and bool((labels[:, :-1][k] == ids[:, 1:][k]).all()):
-            return "shifted"
-    return "other"
-
-
-class DataInspector(DebugCallback):
+class DataInspector(DatasetChecks, DebugCallback):
     name = "data_inspector"
 
     def __init__(self, every_n_steps: int = 10, show_sequences: int = 2, max_chars: int = 300,
@@ -258,57 +148,6 @@ class DataInspector(DebugCallback):
             else:
                 self._check_overlap(trainer, train, val)
 
-    def _check_workers(self, trainer: Any) -> None:
-        loader = _loader(trainer.train_dataloader)
-        workers = getattr(loader, "num_workers", 0)
-        fn = getattr(loader, "worker_init_fn", None)
-        fn_name = getattr(getattr(fn, "func", fn), "__name__", repr(fn))
-        seeded = os.environ.get("PL_GLOBAL_SEED") is not None
-        details = {"num_workers": workers, "worker_init_fn": fn_name,
-                   **{k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}}
-        if workers and not seeded:
-            self.report(trainer, "warning", "workers_unseeded",
-                        f"train dataloader has {workers} workers but the main process was not seeded: worker RNG "
-                        "(random augmentation, masking, sampling in __getitem__) differs between runs",
-                        advice="call lightning.seed_everything(seed, workers=True) before building the loaders",
-                        details=details, rank=None)
-            return
-        if not workers:
-            text = "train data loads in the main process (num_workers=0), seeded by seed_everything"
-        else:
-            per_rank = fn_name == "pl_worker_init_function"
-            text = (f"{workers} workers; PyTorch seeds torch/random/numpy in each worker from the loader's base seed "
-                    f"(drawn from the seeded main RNG), worker_init_fn={fn_name}"
-                    + ("" if per_rank else ", which does not mix in the rank: worker random streams repeat on "
-                       "every rank"))
-        self.report(trainer, "info", "workers", text, details=details, rank=None)
-
-    def _check_overlap(self, trainer: Any, train: list, val: list) -> None:
-        r = find_overlap(train, val, self.overlap_ngram)
-        if not r["exact"] and not r["ngram_overlap"]:
-            log.info("data_inspector: no val sample shares a %d-token span with %d train samples", self.overlap_ngram,
-                     len(train))
-            return
-        ex = dict(r["example"])
-        ex["text"] = self._decode(trainer, ex.pop("ids"))
-        n_val = max(r["val_samples"], 1)
-        frac = max(r["exact"], r["ngram_overlap"]) / n_val
-        severe = r["exact"] > 0 or frac > self.overlap_warn_fraction
-        where = f"val sample {ex['val_index']} / train sample {ex['train_index']}"
-        code = "train_val_overlap" if severe else "train_val_overlap_small"
-        self.report(trainer, "warning" if severe else "info", code,
-                    f"{r['exact']} val samples are exact copies of train samples and {r['ngram_overlap']} of "
-                    f"{r['val_samples']} share a {self.overlap_ngram}-token span with train (e.g. {where}: "
-                    f"{ex['text'][:120]!r}): val loss overstates generalisation",
-                    advice="deduplicate documents before splitting; split by document, not by block",
-                    details={**r, "example": ex, "fraction": frac}, rank=None)
-
-    def _decode(self, trainer: Any, ids: list[int]) -> str:
-        tok = getattr(trainer.datamodule, "tokenizer", None)
-        if tok is None:
-            return " ".join(map(str, ids))[: self.max_chars]
-        return tok.decode(ids)[: self.max_chars]
-
     # ---- every batch, every rank ------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         ids = input_ids_of(batch)
@@ -331,13 +170,9 @@ class DataInspector(DebugCallback):
                 self._gather(trainer)  # COLLECTIVE: every rank reaches it at the same batch count
 
     def _fingerprint(self, ids: torch.Tensor) -> torch.Tensor:
-        """Order-sensitive int64 hash of the batch, computed where the batch lives (no sync)."""
-        ids = ids.reshape(ids.shape[0] if ids.dim() > 1 else 1, -1).long()
-        if self._weights is None or self._weights.numel() < ids.numel() or self._weights.device != ids.device:
-            g = torch.Generator().manual_seed(0x5EED)
-            w = torch.randint(1, 2**62, (max(ids.numel(), 1 << 16),), generator=g) | 1
-            self._weights = w.to(ids.device)
-        return ((ids.reshape(-1) + 1) * self._weights[: ids.numel()]).sum()
+        """Order-sensitive int64 hash of the batch (any dtype, by value), where it lives (no sync)."""
+        fp, self._weights = fingerprint(ids, self._weights)
+        return fp
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.world_size > 1:
@@ -381,7 +216,8 @@ class DataInspector(DebugCallback):
     # ---- first batch: every rank saves its own; the label check agrees across ranks ---
     def _first_batch(self, trainer: Any, pl_module: Any, batch: Any, ids: torch.Tensor | None) -> None:
         rank, dm = trainer.global_rank, trainer.datamodule
-        tensors = batch if isinstance(batch, dict) else {"input_ids": ids} if ids is not None else {}
+        tokens = ids is not None and not ids.is_floating_point() and not ids.is_complex()
+        tensors = batch if isinstance(batch, dict) else {"input_ids" if tokens else "batch": ids} if ids is not None else {}
         pad = getattr(dm, "pad_token_id", None)
         if pad is None:
             pad = getattr(getattr(dm, "tokenizer", None), "pad_token_id", None)
@@ -391,7 +227,7 @@ class DataInspector(DebugCallback):
                 summary["tensors"][key] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                                            "min": t.min().item() if t.numel() else None,
                                            "max": t.max().item() if t.numel() else None}
-        if ids is not None:
+        if tokens:  # padding and decoding are for token ids only
             if pad is not None:
                 summary["padding_ratio"] = float((ids == pad).float().mean())
             if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), torch.Tensor):
@@ -399,7 +235,7 @@ class DataInspector(DebugCallback):
             rows = ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(1, -1)
             summary["decoded"] = [self._decode(trainer, r.tolist()) for r in rows[: self.show_sequences]]
         labels = batch.get("labels") if isinstance(batch, dict) else None
-        pattern = label_pattern(ids, labels) if isinstance(labels, torch.Tensor) and ids is not None else "no labels"
+        pattern = label_pattern(ids, labels) if isinstance(labels, torch.Tensor) and tokens else "no labels"
         shifts, how = _module_shifts(pl_module)
         summary["labels"] = {"pattern": pattern, "module_shifts": shifts, "how": how}
         out = self._dir(trainer)
@@ -412,9 +248,12 @@ class DataInspector(DebugCallback):
                  summary.get("padding_ratio"), pattern)
         for i, text in enumerate(summary.get("decoded", [])):
             log.info("data_inspector: rank %d sequence %d: %r", rank, i, text)
+        kind = ("" if tokens or ids is None else f"; not token ids ({summary['tensors'].get('batch', {}).get('dtype')}"
+                f" data): token checks (padding, decoding, labels, n-gram overlap) skipped, exact copies compared by "
+                "value")
         if rank == 0:
             self.report(trainer, "info", "first_batch", f"first batch: {shapes}; padding ratio "
-                        f"{summary.get('padding_ratio')}; labels {pattern}; saved to {out}",
+                        f"{summary.get('padding_ratio')}; labels {pattern}{kind}; saved to {out}",
                         details=summary, rank=None)
         flags = torch.tensor([pattern == "shifted" and shifts is True, pattern == "same" and shifts is False,
                               pattern == "ignored"], dtype=torch.float32)
@@ -436,66 +275,3 @@ class DataInspector(DebugCallback):
             self._report_once(trainer, "error", "labels_all_ignored",
                               "every label in the first batch is -100 (ignored): the loss has no signal",
                               advice="check the label masking (prompt masking, padding) in the collate function")
-
-    # ---- data order: every rank, its own file ----------------------------------------
-    def _finish_order(self, trainer: Any) -> None:
-        self._order_done = True
-        rank = trainer.global_rank
-        record = {"rank": rank, "world_size": trainer.world_size, "seed": os.environ.get("PL_GLOBAL_SEED"),
-                  "data_fingerprint": self._data_fp, "batch_size": self._batch_size(trainer),
-                  "first_batch_index": self._order_offset, "batches": self._order}
-        path = self._dir(trainer) / f"data_order_rank{rank}.json"
-        path.write_text(json.dumps(record, indent=1))
-        if self.compare_with is not None:
-            self._compare_order(trainer, record, path)
-
-    @staticmethod
-    def _batch_size(trainer: Any) -> int | None:
-        return getattr(_loader(trainer.train_dataloader), "batch_size", None)
-
-    def _reference(self, path: Path, seed: str | None) -> Path | None:
-        if self.compare_with != "latest":
-            ref = Path(self.compare_with) / "data_inspector" / path.name
-            return ref if ref.is_file() else None
-        run_dir = path.parent.parent
-        found = []
-        for p in run_dir.parent.glob(f"*/data_inspector/{path.name}"):
-            if p.parent.parent == run_dir:
-                continue
-            try:
-                if json.loads(p.read_text()).get("seed") == seed:
-                    found.append(p)
-            except (OSError, ValueError):
-                continue
-        return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-    def _compare_order(self, trainer: Any, record: dict, path: Path) -> None:
-        ref_path = self._reference(path, record["seed"])
-        rank = record["rank"]
-        if ref_path is None:
-            self.report(trainer, "info", "no_reference", f"rank {rank}: no earlier run with seed {record['seed']} to "
-                        f"compare the data order with (compare_with={self.compare_with})")
-            return
-        ref = json.loads(ref_path.read_text())
-        keys = ("seed", "world_size", "data_fingerprint", "batch_size")
-        diff = {k: (ref.get(k), record[k]) for k in keys if ref.get(k) != record[k]}
-        run = ref_path.parent.parent
-        if diff:
-            self.report(trainer, "info", "reference_differs", f"rank {rank}: reference run {run} differs in "
-                        f"{', '.join(diff)}; data order not compared", details={"differences": diff})
-            return
-        a, b = ref["first_batch_index"], record["first_batch_index"]
-        start, end = max(a, b), min(a + len(ref["batches"]), b + len(record["batches"]))
-        for i in range(start, end):
-            if ref["batches"][i - a] != record["batches"][i - b]:
-                matched = f"batches {start}..{i - 1} matched" if i > start else "no batch matched"
-                self.report(trainer, "warning", "data_order_changed",
-                            f"rank {rank}: batch {i} differs from reference run {run} with the same seed "
-                            f"{record['seed']}, data and world size ({matched}): the data order is not a function "
-                            "of the seed", advice="seed the sampler (a torch.Generator seeded from "
-                            "the run seed, set_epoch), avoid samplers/workers that draw from time or os.urandom",
-                            details={"batch": i, "reference": str(run), "ours": record["batches"][i - b],
-                                     "theirs": ref["batches"][i - a]})
-                return
-        self.report(trainer, "info", "data_order_matches", f"rank {rank}: batches {start}..{end - 1} match reference "
-                    f"run {run} (same seed {record['seed']})")

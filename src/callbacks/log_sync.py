@@ -275,6 +275,7 @@ class LogSync(DebugCallback):
         if not records:
             return
         data = "".join(json.dumps(rec, default=str) + "\n" for rec in records).encode()
+        run_dir.mkdir(parents=True, exist_ok=True)  # a plain Trainer (logger=False) may not have made it
         fd = os.open(run_dir / TIMELINE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)  # one write: ranks appending after a crash don't interleave lines

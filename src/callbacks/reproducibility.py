@@ -119,11 +119,11 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 class Reproducibility(DebugCallback):
     name = "reproducibility"
 
-    def __init__(self, seed: int = 42, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
+    def __init__(self, seed: int | None = None, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
                  cublas_workspace_config: str = ":4096:8", fill_uninitialized_memory: bool | None = None,
                  replay_steps: int = 2, sample_size: int = 4096, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, low in (("seed", seed, 0), ("hash_seed", hash_seed, 0), ("replay_steps", replay_steps, 0),
+        for key, value, low in (("seed", 0 if seed is None else seed, 0), ("hash_seed", hash_seed, 0), ("replay_steps", replay_steps, 0),
                                 ("sample_size", sample_size, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 2**32:
                 raise _invalid(key, value, f"an int in [{low}, 2**32)")
@@ -186,8 +186,11 @@ class Reproducibility(DebugCallback):
         if self.deterministic and not was_on:
             log.info("reproducibility: re-enabled torch.use_deterministic_algorithms (trainer.deterministic=false "
                      "turned it off when the Trainer was built)")
-        run_seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))
-        if run_seed != self.seed:
+        # seed=None (a plain Lightning project): the seed the run was seeded with, nothing to compare
+        run_seed = int(os.environ.get("PL_GLOBAL_SEED", -1 if self.seed is None else self.seed))
+        if self.seed is None:
+            self.seed = None if run_seed < 0 else run_seed
+        elif run_seed != self.seed:
             self.report(trainer, "warning", "seed_mismatch",
                         f"the run was seeded with {run_seed} but callbacks.reproducibility.seed={self.seed}",
                         advice="leave callbacks.reproducibility.seed at ${seed} (the default)",

@@ -7,6 +7,12 @@ with a single ``write`` on an ``O_APPEND`` descriptor, so lines from different r
 interleave. Fields: ``time, step, rank (null = all ranks), check, severity, code, message,
 advice, details``. ``message`` names the culprit (parameter, layer, rank, batch, step);
 ``advice`` says what to do. Secrets never reach the file (details are redacted).
+
+Who configures it: the framework (``configure_channel(run_dir)``, every rank, before the
+Trainer is built) -- that always wins. In a plain Lightning project nobody does, so the first
+check's ``setup`` calls ``auto_configure`` (see ``DebugCallback``): findings go to
+``<trainer.log_dir>/findings.jsonl`` and, when no logging handler is set up at all, one
+console handler for the ``findings`` logger makes info findings visible (each line once).
 """
 
 from __future__ import annotations
@@ -72,8 +78,11 @@ def _jsonable(obj: Any) -> Any:
 class FindingsChannel:
     """Process-wide sink; `configure_channel` points it at the run dir."""
 
-    def __init__(self, run_dir: str | Path | None = None) -> None:
+    def __init__(self, run_dir: str | Path | None = None, origin: str = "explicit") -> None:
         self.path = Path(run_dir) / FINDINGS_FILE if run_dir is not None else None
+        # "default": nobody configured it; "explicit": configure_channel; "auto": a check's setup
+        self.origin = origin
+        self.owner: int | None = None  # id() of the Trainer an "auto" channel was made for
         self.local: list[Finding] = []  # what this process reported
         self.stop_request: Finding | None = None  # set by a check whose policy is "stop"
         self.sinks: list[Any] = []  # callables given each finding (rank 0's dashboards: sinks.py)
@@ -135,7 +144,7 @@ class FindingsChannel:
             console.print(table)
 
 
-_channel = FindingsChannel()
+_channel = FindingsChannel(origin="default")
 
 
 def get_channel() -> FindingsChannel:
@@ -143,6 +152,44 @@ def get_channel() -> FindingsChannel:
 
 
 def configure_channel(run_dir: str | Path | None) -> FindingsChannel:
+    """Point the channel at ``<run_dir>/findings.jsonl`` (None: log only). Wins over auto_configure."""
     global _channel
     _channel = FindingsChannel(run_dir)
     return _channel
+
+
+def needs_auto(owner: object) -> bool:
+    """True when nobody configured the channel for this owner (a Trainer): local, no collective."""
+    return _channel.origin == "default" or (_channel.origin == "auto" and _channel.owner != id(owner))
+
+
+def auto_configure(run_dir: str | Path, owner: object) -> FindingsChannel:
+    """The channel of a run nobody configured (a plain Lightning project): every rank appends to
+    ``<run_dir>/findings.jsonl``. An explicit configure_channel keeps winning; a new owner (a
+    second ``fit`` in the same process) gets its own file."""
+    global _channel
+    if needs_auto(owner):
+        _channel = FindingsChannel(run_dir, origin="auto")
+        _channel.owner = id(owner)
+        _channel.path.parent.mkdir(parents=True, exist_ok=True)
+        console_handler()
+    return _channel
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Marks the handler we added, so it is added once."""
+
+
+def console_handler() -> logging.Handler | None:
+    """Info findings reach the console: a handler on the ``findings`` logger only when neither it
+    nor the root logger has a stream handler (the user's logging setup wins; no line is printed
+    twice). Non-stream handlers (LogSync's line buffer on the root logger) do not count."""
+    logger = logging.getLogger("findings")
+    if any(isinstance(h, logging.StreamHandler) for h in logger.handlers + logging.getLogger().handlers):
+        return None
+    handler = _ConsoleHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
