@@ -65,6 +65,10 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
+from dsdebug.callbacks._grad_access import _num
+from dsdebug.callbacks._throughput_batch import _batch_size, _describe_loader, _seq_len  # noqa: F401 (tests)
+
+__all__ = ["Throughput"]
 
 log = logging.getLogger(__name__)
 _CPU_PEAK: float | None = None  # measured once per process
@@ -287,29 +291,5 @@ class Throughput(DebugCallback):
                              "flops_per_token": self._fpt, "counts": dict(self._counts)}, rank=None)
 
 
-def _batch_size(batch: Any) -> tuple[int, int]:
-    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    return (int(t.numel()), int(t.shape[0])) if isinstance(t, torch.Tensor) and t.dim() else (0, 0)
-
-
-def _seq_len(batch: Any) -> int:
-    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    return int(t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() else 0
-
-
-def _describe_loader(trainer: Any) -> str:
-    loader = trainer.train_dataloader
-    while isinstance(loader, (list, tuple, dict)) and loader:
-        loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
-    collate = getattr(loader, "collate_fn", None)
-    return (f"data.num_workers={getattr(loader, 'num_workers', '?')}, data.pin_memory="
-            f"{getattr(loader, 'pin_memory', '?')}, data.batch_size={getattr(loader, 'batch_size', '?')}, "
-            f"collate_fn={getattr(collate, '__name__', type(collate).__name__)}")
-
-
 def _int(v: Any, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
