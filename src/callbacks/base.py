@@ -24,6 +24,8 @@ from dsdebug.dist.collectives import any_rank
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, get_channel
 
+__all__ = ["DebugCallback", "POLICIES", "any_rank"]
+
 POLICIES = ("warn", "skip", "stop")
 
 

@@ -1,42 +1,6 @@
 """`GradMonitor`: gradient norms, NaN/Inf, explosions, spikes and vanishing layers, before the update.
 
-Catches (seed technique 3): a NaN/Inf gradient (named: first offending parameter, its layer,
-step, batch, and the rank whose loss was already non-finite, if any), exploding gradients
-(global norm above ``max_norm``), sudden spikes against an EMA of the global norm, and layers
-whose gradient vanished. It runs in ``on_before_optimizer_step``: after backward, before
-clipping and the update, so a bad step is reported (and with ``on_error=skip|stop``
-dropped) before it reaches the weights. ``stop`` also drops the bad update, so the
-checkpoint it saves holds the last good weights.
-
-Correct under every strategy: with DDP (and one process) it reads ``param.grad``; under
-ZeRO-1/2 (``param.grad`` is None there after the reduction, verified) it reads each rank's
-fp32 gradient fragment (``param._hp_mapping``); under ZeRO-3 the local partition
-(``deepspeed.utils.safe_get_local_grad``). The per-parameter sums of squares are then
-all-reduced once per step, so norms are exact and no per-parameter collective runs. Only
-histograms need whole gradients (``safe_get_full_grad``, every rank, at their cadence).
-With DeepSpeed gradient accumulation it checks at the accumulation boundary only.
-
-Example::
-
-    python train.py +callbacks=grad_monitor callbacks.grad_monitor.every_n_steps=5 \\
-        callbacks.grad_monitor.on_error=skip strategy=zero3 trainer=ddp_sim
-
-| metric key (every ``every_n_steps``) | meaning |
-|---|---|
-| ``grad/norm/global`` | L2 norm of all gradients, before clipping |
-| ``grad/norm_ema`` | EMA of the global norm (what spikes are judged against) |
-| ``grad/max_abs`` | largest absolute gradient element |
-| ``grad/norm/<layer>`` | L2 norm per layer (``model.layers.3``; else the owning module) |
-| ``grad/param_norm/<param>`` | per parameter, when ``log_param_norms: true`` |
-| ``grad/hist/<param>`` | TensorBoard histogram every ``histogram_every_n_steps`` (0 = off) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
-| ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
-| ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
-| ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
-| ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
+The config example and the table of metrics and findings: the class docstring (`GradMonitor`).
 """
 
 from __future__ import annotations
@@ -59,6 +23,46 @@ log = logging.getLogger(__name__)
 
 
 class GradMonitor(DebugCallback):
+    """`GradMonitor`: gradient norms, NaN/Inf, explosions, spikes and vanishing layers, before the update.
+
+    Catches (seed technique 3): a NaN/Inf gradient (named: first offending parameter, its layer,
+    step, batch, and the rank whose loss was already non-finite, if any), exploding gradients
+    (global norm above ``max_norm``), sudden spikes against an EMA of the global norm, and layers
+    whose gradient vanished. It runs in ``on_before_optimizer_step``: after backward, before
+    clipping and the update, so a bad step is reported (and with ``on_error=skip|stop``
+    dropped) before it reaches the weights. ``stop`` also drops the bad update, so the
+    checkpoint it saves holds the last good weights.
+
+    Correct under every strategy: with DDP (and one process) it reads ``param.grad``; under
+    ZeRO-1/2 (``param.grad`` is None there after the reduction, verified) it reads each rank's
+    fp32 gradient fragment (``param._hp_mapping``); under ZeRO-3 the local partition
+    (``deepspeed.utils.safe_get_local_grad``). The per-parameter sums of squares are then
+    all-reduced once per step, so norms are exact and no per-parameter collective runs. Only
+    histograms need whole gradients (``safe_get_full_grad``, every rank, at their cadence).
+    With DeepSpeed gradient accumulation it checks at the accumulation boundary only.
+
+    Example::
+
+        python train.py +callbacks=grad_monitor callbacks.grad_monitor.every_n_steps=5 \\
+            callbacks.grad_monitor.on_error=skip strategy=zero3 trainer=ddp_sim
+
+    | metric key (every ``every_n_steps``) | meaning |
+    |---|---|
+    | ``grad/norm/global`` | L2 norm of all gradients, before clipping |
+    | ``grad/norm_ema`` | EMA of the global norm (what spikes are judged against) |
+    | ``grad/max_abs`` | largest absolute gradient element |
+    | ``grad/norm/<layer>`` | L2 norm per layer (``model.layers.3``; else the owning module) |
+    | ``grad/param_norm/<param>`` | per parameter, when ``log_param_norms: true`` |
+    | ``grad/hist/<param>`` | TensorBoard histogram every ``histogram_every_n_steps`` (0 = off) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
+    | ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
+    | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
+    | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
+    | ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
+    """
     name = "grad_monitor"
 
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,

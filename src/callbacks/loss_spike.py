@@ -1,48 +1,6 @@
 """`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
 
-Each optimizer step, before the update, the training loss (averaged over ranks and over the
-accumulated micro-batches) is judged against a rolling window of the last ``window`` healthy
-steps: robust z = (loss - median) / (1.4826 MAD) and relative jump = loss / median - 1.
-A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
-``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
-the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
-Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
-spike, so the big early moves of training are silent. The score logged as ``spike/score``
-is the decision statistic: a spike iff score >= 1.
-
-Policies (``policy``): ``warn`` reports; ``skip`` drops that update on every rank
-(``skip_optimizer_step``, see src/models/lm_module.py); ``rollback`` drops it, then reloads
-weights + optimizer state from the newest checkpoint that verifies against its manifest,
-keeping the step counter, LR schedule and data iterator moving forward, so the batches from
-that checkpoint to the spike are skipped (PaLM), recorded in ``<run_dir>/skipped_batches.json``.
-A resume (``ckpt_path=``/``resume=``) from a checkpoint before them, with this check on, drops
-them from the data stream (``LMDataModule.exclude_batches``). No verified checkpoint yet:
-rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
-``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
-
-Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
-loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
-alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
-Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
-
-Example::
-
-    python train.py +callbacks=loss_spike callbacks.loss_spike.policy=rollback \\
-        callbacks.model_checkpoint.every_n_train_steps=50
-
-| metric key (every optimizer step) | meaning |
-|---|---|
-| ``spike/loss_median`` | median of the window's losses |
-| ``spike/score`` | decision statistic (>= 1 = spike) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``loss_spike`` | warning | a spike, policy warn (step, batch, loss vs median, rank with the largest loss) |
-| ``loss_spike_skipped`` | warning | a spike whose update was dropped (skip; rollback without a verified checkpoint) |
-| ``loss_spike_rollback`` | warning | rolled back to a checkpoint; the skipped batch range |
-| ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
-| ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
-| ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+The config example and the table of metrics and findings: the class docstring (`LossSpike`).
 """
 
 from __future__ import annotations
@@ -67,6 +25,52 @@ POLICIES = ("warn", "skip", "rollback")
 
 
 class LossSpike(DebugCallback):
+    """`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
+
+    Each optimizer step, before the update, the training loss (averaged over ranks and over the
+    accumulated micro-batches) is judged against a rolling window of the last ``window`` healthy
+    steps: robust z = (loss - median) / (1.4826 MAD) and relative jump = loss / median - 1.
+    A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
+    ``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
+    the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
+    Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
+    spike, so the big early moves of training are silent. The score logged as ``spike/score``
+    is the decision statistic: a spike iff score >= 1.
+
+    Policies (``policy``): ``warn`` reports; ``skip`` drops that update on every rank
+    (``skip_optimizer_step``, see src/models/lm_module.py); ``rollback`` drops it, then reloads
+    weights + optimizer state from the newest checkpoint that verifies against its manifest,
+    keeping the step counter, LR schedule and data iterator moving forward, so the batches from
+    that checkpoint to the spike are skipped (PaLM), recorded in ``<run_dir>/skipped_batches.json``.
+    A resume (``ckpt_path=``/``resume=``) from a checkpoint before them, with this check on, drops
+    them from the data stream (``LMDataModule.exclude_batches``). No verified checkpoint yet:
+    rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
+    ``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
+
+    Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
+    loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
+    alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
+    Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
+
+    Example::
+
+        python train.py +callbacks=loss_spike callbacks.loss_spike.policy=rollback \\
+            callbacks.model_checkpoint.every_n_train_steps=50
+
+    | metric key (every optimizer step) | meaning |
+    |---|---|
+    | ``spike/loss_median`` | median of the window's losses |
+    | ``spike/score`` | decision statistic (>= 1 = spike) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``loss_spike`` | warning | a spike, policy warn (step, batch, loss vs median, rank with the largest loss) |
+    | ``loss_spike_skipped`` | warning | a spike whose update was dropped (skip; rollback without a verified checkpoint) |
+    | ``loss_spike_rollback`` | warning | rolled back to a checkpoint; the skipped batch range |
+    | ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
+    | ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
+    | ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+    """
     name = "loss_spike"
 
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,

@@ -1,50 +1,6 @@
 """`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
 
-Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
-loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
-holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
-crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.
-
-- Memory is read locally, without syncs: on GPU ``torch.cuda.memory_allocated`` /
-  ``max_memory_allocated`` / ``max_memory_reserved``; on CPU the current RSS
-  (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
-- Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
-  grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
-  hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
-  with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
-  the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
-  params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
-  separate fp32 master partition of ZeRO-1/2/3.
-- Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
-  slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
-  growing, is a leak. Each rank judges its own memory and names itself.
-- OOM: Lightning calls ``on_exception``; ``torch.OutOfMemoryError`` (CUDA) or CPU allocator
-  failures become an ``oom`` error naming the phase (forward/backward/optimizer/validation), the
-  peak, and what to change, activation remedies first for forward/backward, state remedies first
-  for the optimizer step.
-
-Rank awareness: sampling and growth are local (a rank reports its own leak). The model-state
-check runs ONE all-reduce (a world-size vector of held bytes) on every rank at the same step;
-rank 0 reports. The summary at the end runs one all-reduce of per-rank peaks on every rank.
-
-Example::
-
-    python train.py +callbacks=memory callbacks.memory.growth_mb_per_step=2 strategy=zero3 trainer=ddp_sim
-
-| metric key (every ``trainer.log_every_n_steps``, rank 0's values) | meaning |
-|---|---|
-| ``memory/rss_gb`` | current resident memory of the process (CPU) |
-| ``memory/peak_gb`` | peak: ``ru_maxrss`` on CPU, ``max_memory_allocated`` on GPU |
-| ``memory/allocated_gb`` / ``memory/reserved_gb`` | GPU only: allocated now / peak reserved by the caching allocator |
-| ``memory/model_states_gb`` / ``memory/model_states_expected_gb`` | once: held model-state bytes vs the formula |
-
-| finding code | severity | when |
-|---|---|---|
-| ``model_states_unexpected`` | warning | a rank holds > (1 + ``states_tolerance``) x the formula for the active stage |
-| ``memory_growth`` | warning | memory grows > ``growth_mb_per_step`` MB/step over ``growth_window`` steps (a leak) |
-| ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
-| ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
-| ``memory_summary`` | info | at the end: per-rank peak memory |
+The config example and the table of metrics and findings: the class docstring (`MemoryMonitor`).
 """
 
 from __future__ import annotations
@@ -69,6 +25,54 @@ log = logging.getLogger(__name__)
 
 
 class MemoryMonitor(DebugCallback):
+    """`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
+
+    Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
+    loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
+    holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
+    crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.
+
+    - Memory is read locally, without syncs: on GPU ``torch.cuda.memory_allocated`` /
+      ``max_memory_allocated`` / ``max_memory_reserved``; on CPU the current RSS
+      (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
+    - Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
+      grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
+      hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
+      with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
+      the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
+      params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
+      separate fp32 master partition of ZeRO-1/2/3.
+    - Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
+      slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
+      growing, is a leak. Each rank judges its own memory and names itself.
+    - OOM: Lightning calls ``on_exception``; ``torch.OutOfMemoryError`` (CUDA) or CPU allocator
+      failures become an ``oom`` error naming the phase (forward/backward/optimizer/validation), the
+      peak, and what to change, activation remedies first for forward/backward, state remedies first
+      for the optimizer step.
+
+    Rank awareness: sampling and growth are local (a rank reports its own leak). The model-state
+    check runs ONE all-reduce (a world-size vector of held bytes) on every rank at the same step;
+    rank 0 reports. The summary at the end runs one all-reduce of per-rank peaks on every rank.
+
+    Example::
+
+        python train.py +callbacks=memory callbacks.memory.growth_mb_per_step=2 strategy=zero3 trainer=ddp_sim
+
+    | metric key (every ``trainer.log_every_n_steps``, rank 0's values) | meaning |
+    |---|---|
+    | ``memory/rss_gb`` | current resident memory of the process (CPU) |
+    | ``memory/peak_gb`` | peak: ``ru_maxrss`` on CPU, ``max_memory_allocated`` on GPU |
+    | ``memory/allocated_gb`` / ``memory/reserved_gb`` | GPU only: allocated now / peak reserved by the caching allocator |
+    | ``memory/model_states_gb`` / ``memory/model_states_expected_gb`` | once: held model-state bytes vs the formula |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``model_states_unexpected`` | warning | a rank holds > (1 + ``states_tolerance``) x the formula for the active stage |
+    | ``memory_growth`` | warning | memory grows > ``growth_mb_per_step`` MB/step over ``growth_window`` steps (a leak) |
+    | ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
+    | ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
+    | ``memory_summary`` | info | at the end: per-rank peak memory |
+    """
     name = "memory"
 
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 20, growth_window: int = 50,

@@ -1,50 +1,6 @@
 """`Reproducibility`: fix every source of randomness, record it, and prove the step replays.
 
-Catches: runs that cannot be reproduced although "the seed is set" -- an op or module that is
-nondeterministic in a way seeding cannot fix (noise from a fresh ``torch.Generator`` seeded
-from the clock, atomics in CUDA kernels, uninitialised memory), PyTorch ops without a
-deterministic implementation, and a Python hash seed that was fixed too late to matter.
-
-What it does (every rank builds this callback: child ranks re-run ``train.py``):
-
-- ``__init__`` (before the Trainer and before child ranks start, so children inherit it):
-  sets ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` (before the first cuBLAS call),
-  seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
-  point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
-  ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
-  spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
-  export it in the shell to fix rank 0 too).
-- ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
-  ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
-  ``Trainer(deterministic=False)`` resets it when the Trainer is built.
-- ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
-  a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
-  and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
-- Replay self-check, the first ``replay_steps`` training batches, EVERY rank (a ZeRO-3 or DDP
-  forward is collective, so every rank replays the same batches): snapshot the RNG states
-  and module buffers, run the training step's forward once more through the strategy (same
-  precision context, same wrapper) with forward hooks fingerprinting every module output,
-  restore RNG and buffers, then let the real forward run under the same hooks. The first
-  module (in completion order, so the innermost culprit) whose output differs is reported.
-  The extra forward builds no optimizer state and runs no backward; the real step sees the
-  same RNG state, weights and buffers as without the callback (a test compares loss curves).
-- PyTorch's own "does not have a deterministic implementation" warnings (``warn_only=true``)
-  become findings naming the op and the code line that called it.
-
-Example::
-
-    python train.py +callbacks=reproducibility callbacks.reproducibility.replay_steps=3 \\
-        callbacks.reproducibility.warn_only=false
-
-| finding code | severity | meaning |
-|---|---|---|
-| ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
-| ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
-| ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
-| ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
-| ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
-
-Metrics: none.
+The config example and the table of metrics and findings: the class docstring (`Reproducibility`).
 """
 
 from __future__ import annotations
@@ -79,6 +35,54 @@ def _invalid(key: str, value: Any, valid: str) -> ConfigError:
 
 
 class Reproducibility(DebugCallback):
+    """`Reproducibility`: fix every source of randomness, record it, and prove the step replays.
+
+    Catches: runs that cannot be reproduced although "the seed is set" -- an op or module that is
+    nondeterministic in a way seeding cannot fix (noise from a fresh ``torch.Generator`` seeded
+    from the clock, atomics in CUDA kernels, uninitialised memory), PyTorch ops without a
+    deterministic implementation, and a Python hash seed that was fixed too late to matter.
+
+    What it does (every rank builds this callback: child ranks re-run ``train.py``):
+
+    - ``__init__`` (before the Trainer and before child ranks start, so children inherit it):
+      sets ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` (before the first cuBLAS call),
+      seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
+      point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
+      ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
+      spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
+      export it in the shell to fix rank 0 too).
+    - ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
+      ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
+      ``Trainer(deterministic=False)`` resets it when the Trainer is built.
+    - ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
+      a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
+      and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
+    - Replay self-check, the first ``replay_steps`` training batches, EVERY rank (a ZeRO-3 or DDP
+      forward is collective, so every rank replays the same batches): snapshot the RNG states
+      and module buffers, run the training step's forward once more through the strategy (same
+      precision context, same wrapper) with forward hooks fingerprinting every module output,
+      restore RNG and buffers, then let the real forward run under the same hooks. The first
+      module (in completion order, so the innermost culprit) whose output differs is reported.
+      The extra forward builds no optimizer state and runs no backward; the real step sees the
+      same RNG state, weights and buffers as without the callback (a test compares loss curves).
+    - PyTorch's own "does not have a deterministic implementation" warnings (``warn_only=true``)
+      become findings naming the op and the code line that called it.
+
+    Example::
+
+        python train.py +callbacks=reproducibility callbacks.reproducibility.replay_steps=3 \\
+            callbacks.reproducibility.warn_only=false
+
+    | finding code | severity | meaning |
+    |---|---|---|
+    | ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
+    | ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
+    | ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
+    | ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
+    | ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
+
+    Metrics: none.
+    """
     name = "reproducibility"
 
     def __init__(self, seed: int = 42, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,

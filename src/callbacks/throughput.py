@@ -1,54 +1,6 @@
 """`Throughput`: tokens/s, samples/s, step time, MFU, and why a run is slower than it should be.
 
-Catches (seed 002 "性能瓶颈分析": GPU utilisation >= 85%, gradient sync < 20% of forward time):
-an input pipeline that starves the model (``input_bound``), gradient synchronisation heavier
-than the forward pass (``comm_heavy``), an idle GPU (``low_gpu_util``), and a run that became
-slower than it was (``throughput_drop``: a throttled or shared node, swapping, a slow disk).
-
-How it measures, per step, with ``time.perf_counter`` only (no device sync, no collective):
-- step time = previous ``on_train_batch_end`` -> this one (data loading and every hook
-  included; validation and checkpoint saves left out);
-- data wait = previous batch end -> this ``on_train_batch_start``: fetching the next batch
-  (Lightning prefetches one batch ahead, so the fetch happens in this gap) plus logging;
-- tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
-- MFU = tokens/s x training FLOPs per token (``dsdebug.models.flops``: 6 x active params +
-  attention) / peak: on GPU the dense bf16 spec number by device name
-  (``dsdebug.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
-  (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
-- comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
-  (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
-  only when ``comm_debug`` runs with ``measure_comm: true`` (or its hang watchdog); without it
-  ``comm_heavy`` is not judged. Forward time = batch start -> ``on_before_backward``.
-- GPU utilisation: ``torch.cuda.utilization()`` (needs pynvml) every ``util_every_n_steps``;
-  on CPU ``low_gpu_util`` is skipped and the summary says so.
-On GPU, host-side timings of queued kernels settle over a window (the loop syncs on the loss
-and the optimizer step); phase times (forward) are host-side and only a guide there.
-
-Rank awareness: every rank judges its own clock and reports its own findings (local info, no
-collective); rank 0 logs the metrics. A straggler slows every rank (they wait for it in the
-gradient sync): ``log_sync`` names which rank it is.
-
-Example::
-
-    python train.py +callbacks=[throughput,comm_debug] callbacks.comm_debug.measure_comm=true \\
-        callbacks.throughput.data_wait_threshold=0.2
-
-| metric key (every ``trainer.log_every_n_steps``, rank 0) | meaning |
-|---|---|
-| ``throughput/tokens_per_s`` / ``throughput/samples_per_s`` | this rank, over the last step |
-| ``throughput/step_ms`` | wall time of the last step |
-| ``throughput/mfu`` | model FLOPs utilisation of this rank's device |
-| ``throughput/data_wait_share`` | share of the step spent waiting for the next batch |
-| ``throughput/comm_forward_ratio`` | gradient-sync seconds / forward seconds (with comm_debug) |
-| ``throughput/gpu_util`` | GPU utilisation in [0, 1] (GPU with pynvml) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``input_bound`` | warning | median data-wait share over ``window`` steps > ``data_wait_threshold`` |
-| ``comm_heavy`` | warning | median sync/forward over ``window`` steps > ``comm_forward_ratio`` (needs comm measurement) |
-| ``low_gpu_util`` | warning | mean GPU utilisation over ``window`` samples < ``gpu_util_threshold`` (GPU only) |
-| ``throughput_drop`` | warning | ``drop_patience`` steps in a row slower than ``drop_factor`` x the median step |
-| ``throughput_summary`` | info | at the end: median tokens/s, step ms, MFU, data-wait share, peak used |
+The config example and the table of metrics and findings: the class docstring (`Throughput`).
 """
 
 from __future__ import annotations
@@ -75,6 +27,58 @@ _CPU_PEAK: float | None = None  # measured once per process
 
 
 class Throughput(DebugCallback):
+    """`Throughput`: tokens/s, samples/s, step time, MFU, and why a run is slower than it should be.
+
+    Catches (seed 002 "性能瓶颈分析": GPU utilisation >= 85%, gradient sync < 20% of forward time):
+    an input pipeline that starves the model (``input_bound``), gradient synchronisation heavier
+    than the forward pass (``comm_heavy``), an idle GPU (``low_gpu_util``), and a run that became
+    slower than it was (``throughput_drop``: a throttled or shared node, swapping, a slow disk).
+
+    How it measures, per step, with ``time.perf_counter`` only (no device sync, no collective):
+    - step time = previous ``on_train_batch_end`` -> this one (data loading and every hook
+      included; validation and checkpoint saves left out);
+    - data wait = previous batch end -> this ``on_train_batch_start``: fetching the next batch
+      (Lightning prefetches one batch ahead, so the fetch happens in this gap) plus logging;
+    - tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
+    - MFU = tokens/s x training FLOPs per token (``dsdebug.models.flops``: 6 x active params +
+      attention) / peak: on GPU the dense bf16 spec number by device name
+      (``dsdebug.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
+      (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
+    - comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
+      (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
+      only when ``comm_debug`` runs with ``measure_comm: true`` (or its hang watchdog); without it
+      ``comm_heavy`` is not judged. Forward time = batch start -> ``on_before_backward``.
+    - GPU utilisation: ``torch.cuda.utilization()`` (needs pynvml) every ``util_every_n_steps``;
+      on CPU ``low_gpu_util`` is skipped and the summary says so.
+    On GPU, host-side timings of queued kernels settle over a window (the loop syncs on the loss
+    and the optimizer step); phase times (forward) are host-side and only a guide there.
+
+    Rank awareness: every rank judges its own clock and reports its own findings (local info, no
+    collective); rank 0 logs the metrics. A straggler slows every rank (they wait for it in the
+    gradient sync): ``log_sync`` names which rank it is.
+
+    Example::
+
+        python train.py +callbacks=[throughput,comm_debug] callbacks.comm_debug.measure_comm=true \\
+            callbacks.throughput.data_wait_threshold=0.2
+
+    | metric key (every ``trainer.log_every_n_steps``, rank 0) | meaning |
+    |---|---|
+    | ``throughput/tokens_per_s`` / ``throughput/samples_per_s`` | this rank, over the last step |
+    | ``throughput/step_ms`` | wall time of the last step |
+    | ``throughput/mfu`` | model FLOPs utilisation of this rank's device |
+    | ``throughput/data_wait_share`` | share of the step spent waiting for the next batch |
+    | ``throughput/comm_forward_ratio`` | gradient-sync seconds / forward seconds (with comm_debug) |
+    | ``throughput/gpu_util`` | GPU utilisation in [0, 1] (GPU with pynvml) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``input_bound`` | warning | median data-wait share over ``window`` steps > ``data_wait_threshold`` |
+    | ``comm_heavy`` | warning | median sync/forward over ``window`` steps > ``comm_forward_ratio`` (needs comm measurement) |
+    | ``low_gpu_util`` | warning | mean GPU utilisation over ``window`` samples < ``gpu_util_threshold`` (GPU only) |
+    | ``throughput_drop`` | warning | ``drop_patience`` steps in a row slower than ``drop_factor`` x the median step |
+    | ``throughput_summary`` | info | at the end: median tokens/s, step ms, MFU, data-wait share, peak used |
+    """
     name = "throughput"
 
     def __init__(self, warmup_steps: int = 10, window: int = 20, data_wait_threshold: float = 0.3,
