@@ -125,11 +125,12 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
 
     from dsdebug.findings import configure_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
-    from dsdebug.trainer.entry import build, prepare_config
+    from dsdebug.config.prepare import prepare
+    from dsdebug.trainer.entry import build
 
     started = time.perf_counter()
     cfg = compose([*QUIET, *overrides], run_dir)
-    prepare_config(cfg)
+    prepare(cfg)
     configure_channel(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer, _ = build(cfg)

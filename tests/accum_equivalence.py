@@ -163,10 +163,11 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     from benchmarks.harness import compose
     from dsdebug.findings import configure_channel, get_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
-    from dsdebug.trainer.entry import build, prepare_config
+    from dsdebug.config.prepare import prepare
+    from dsdebug.trainer.entry import build
 
     cfg = compose(overrides, run_dir)
-    prepare_config(cfg)
+    prepare(cfg)
     configure_channel(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer, _ = build(cfg)

@@ -106,6 +106,7 @@ def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
+    from dsdebug.config.prepare import prepare
     from dsdebug.trainer.entry import train
 
     os.environ.setdefault("PROJECT_ROOT", str(REPO))
@@ -122,7 +123,7 @@ def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
         del cfg["hydra"]  # a task function never sees the hydra node
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return train(cfg)
+        return train(prepare(cfg))
     finally:
         GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None  # later tests must not see this run's cwd/output dir

@@ -77,7 +77,8 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
     from benchmarks.harness import compose
     from dsdebug.findings import configure_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
-    from dsdebug.trainer.entry import build, prepare_config
+    from dsdebug.config.prepare import prepare
+    from dsdebug.trainer.entry import build
 
     records = Records()
     logging.getLogger().addHandler(records)
@@ -86,7 +87,7 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
         path = CONFIGS / name if (CONFIGS / name).is_file() else REPO / name  # or examples/ds_configs/...
         cfg = compose([*OVERRIDES, f"strategy.config={path}", f"trainer.devices={devices}",
                        *EXTRA.get(name, [])], run_dir)
-        prepare_config(cfg)
+        prepare(cfg)
         configure_channel(run_dir)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule, module, trainer, _ = build(cfg)

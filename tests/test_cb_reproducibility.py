@@ -107,15 +107,15 @@ def test_pytorch_nondeterministic_op_warning_becomes_a_finding(tmp_path, isolate
 
 
 def test_replay_comparison_names_the_first_differing_module():
-    from dsdebug.callbacks.reproducibility import Reproducibility
+    from dsdebug.callbacks.reproducibility import first_difference
 
     def rec(name, value):
         t = torch.full((4,), float(value), dtype=torch.float64)
         return (name, [((4,), t.sum(), t)], "Linear")
 
     same = [rec("a", 1), rec("b", 2), rec("c", 3)]
-    assert Reproducibility._first_difference(same, list(same)) is None
-    found = Reproducibility._first_difference(same, [rec("a", 1), rec("b", 2.5), rec("c", 4)])
+    assert first_difference(same, list(same)) is None
+    found = first_difference(same, [rec("a", 1), rec("b", 2.5), rec("c", 4)])
     assert found[0][0] == "b" and found[1] == 1 and found[2] == pytest.approx(0.5)
 
 

@@ -30,6 +30,8 @@ from dsdebug.dist.collectives import any_rank
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, auto_configure, get_channel, needs_auto
 
+__all__ = ["DebugCallback", "POLICIES", "any_rank"]
+
 POLICIES = ("warn", "skip", "stop")
 
 

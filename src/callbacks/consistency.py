@@ -1,48 +1,6 @@
 """`ConsistencyCheck`: every rank runs the same software, hardware class, config, seed and environment.
 
-Catches the "works on one node, hangs or drifts on many" class of failures (seed 001 #1, seed 000
-#1/#7): a node with another torch/NCCL/DeepSpeed build (collectives hang or disagree on wire
-formats), another GPU model or driver, a stale checkout or other overrides (a different config or
-seed on one node: replicas no longer train the same model), or an environment variable that
-changes how ranks communicate or compute (``NCCL_*``, ``TORCH_*``, ``OMP_NUM_THREADS``, ...).
-
-How (every rank, once, at ``setup`` of fit: one ``all_gather_object`` through the process group):
-each rank contributes its host name and a flat dict of facts; rank 0 compares them and writes one
-warning per differing key, naming the key, the ranks and hosts that differ and their values. The
-values of secret-looking variables (``*TOKEN*``, ``*PASSWORD*``, ... as in
-``src/findings/secrets.py``) never leave the rank: they travel as a digest and print as ``***``.
-Nothing happens after setup; a 1-process run compares nothing.
-
-Facts (keys as they appear in findings; ``ignore`` takes fnmatch patterns over them):
-
-- ``version.python``, ``.torch``, ``.cuda`` (torch.version.cuda), ``.cudnn``, ``.nccl`` (with CUDA),
-  ``.deepspeed``, ``.transformers``, ``.lightning``, ``.numpy``;
-- ``gpu.model`` (torch.cuda.get_device_name of the rank's device), ``gpu.driver`` (pynvml, if installed);
-- ``seed`` and ``config``: a sha256 of the resolved config without ``paths`` (where files go may
-  differ per node; path values inside other keys are written relative to ``paths.*``) and
-  without ``seed``; a config finding names the differing keys;
-- ``env.<NAME>`` for variables matching ``env`` patterns (default below), except those that
-  differ per rank by design (``CUDA_VISIBLE_DEVICES``, ``PL_GLOBAL_SEED`` = the seed, names ending
-  in ``_DIR``/``_HOME``/``_PATH``: caches and install locations). RANK, LOCAL_RANK, MASTER_*,
-  TORCHELASTIC_* and SLURM_* are not in the default patterns.
-
-Framework integrity, on in every run (conf/callbacks/default.yaml, cost: one small gather at
-start); off with ``~callbacks.consistency``.
-
-Example::
-
-    OMP_NUM_THREADS=4 torchrun --nnodes 2 ... train.py trainer.num_nodes=2   # on by default
-    python train.py callbacks.consistency.ignore='[env.NCCL_SOCKET_IFNAME,gpu.*]'
-
-| finding code | severity | when |
-|---|---|---|
-| ``version_mismatch`` | warning | a library or Python version differs between ranks |
-| ``gpu_mismatch`` | warning | GPU model or driver differs |
-| ``config_mismatch`` | warning | the resolved config differs (the differing keys are named) |
-| ``seed_mismatch`` | warning | the seed differs |
-| ``env_mismatch`` | warning | an environment variable differs (or is set on some ranks only) |
-
-It logs no metrics.
+The config example and the table of metrics and findings: the class docstring (`ConsistencyCheck`).
 """
 
 from __future__ import annotations
@@ -237,6 +195,52 @@ def _config_keys(gathered: list[dict[str, Any]]) -> list[str]:
 
 
 class ConsistencyCheck(DebugCallback):
+    """`ConsistencyCheck`: every rank runs the same software, hardware class, config, seed and environment.
+
+    Catches the "works on one node, hangs or drifts on many" class of failures (seed 001 #1, seed 000
+    #1/#7): a node with another torch/NCCL/DeepSpeed build (collectives hang or disagree on wire
+    formats), another GPU model or driver, a stale checkout or other overrides (a different config or
+    seed on one node: replicas no longer train the same model), or an environment variable that
+    changes how ranks communicate or compute (``NCCL_*``, ``TORCH_*``, ``OMP_NUM_THREADS``, ...).
+
+    How (every rank, once, at ``setup`` of fit: one ``all_gather_object`` through the process group):
+    each rank contributes its host name and a flat dict of facts; rank 0 compares them and writes one
+    warning per differing key, naming the key, the ranks and hosts that differ and their values. The
+    values of secret-looking variables (``*TOKEN*``, ``*PASSWORD*``, ... as in
+    ``src/findings/secrets.py``) never leave the rank: they travel as a digest and print as ``***``.
+    Nothing happens after setup; a 1-process run compares nothing.
+
+    Facts (keys as they appear in findings; ``ignore`` takes fnmatch patterns over them):
+
+    - ``version.python``, ``.torch``, ``.cuda`` (torch.version.cuda), ``.cudnn``, ``.nccl`` (with CUDA),
+      ``.deepspeed``, ``.transformers``, ``.lightning``, ``.numpy``;
+    - ``gpu.model`` (torch.cuda.get_device_name of the rank's device), ``gpu.driver`` (pynvml, if installed);
+    - ``seed`` and ``config``: a sha256 of the resolved config without ``paths`` (where files go may
+      differ per node; path values inside other keys are written relative to ``paths.*``) and
+      without ``seed``; a config finding names the differing keys;
+    - ``env.<NAME>`` for variables matching ``env`` patterns (default below), except those that
+      differ per rank by design (``CUDA_VISIBLE_DEVICES``, ``PL_GLOBAL_SEED`` = the seed, names ending
+      in ``_DIR``/``_HOME``/``_PATH``: caches and install locations). RANK, LOCAL_RANK, MASTER_*,
+      TORCHELASTIC_* and SLURM_* are not in the default patterns.
+
+    Framework integrity, on in every run (conf/callbacks/default.yaml, cost: one small gather at
+    start); off with ``~callbacks.consistency``.
+
+    Example::
+
+        OMP_NUM_THREADS=4 torchrun --nnodes 2 ... train.py trainer.num_nodes=2   # on by default
+        python train.py callbacks.consistency.ignore='[env.NCCL_SOCKET_IFNAME,gpu.*]'
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``version_mismatch`` | warning | a library or Python version differs between ranks |
+    | ``gpu_mismatch`` | warning | GPU model or driver differs |
+    | ``config_mismatch`` | warning | the resolved config differs (the differing keys are named) |
+    | ``seed_mismatch`` | warning | the seed differs |
+    | ``env_mismatch`` | warning | an environment variable differs (or is set on some ranks only) |
+
+    It logs no metrics.
+    """
     name = "consistency"
 
     def __init__(self, env: list[str] | None = None, ignore: list[str] | None = None) -> None:

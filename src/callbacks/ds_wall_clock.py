@@ -1,27 +1,6 @@
 """`DeepSpeedWallClock`: DeepSpeed's ``wall_clock_breakdown`` timings, into the metrics and the report.
 
-``"wall_clock_breakdown": true`` is DeepSpeed's own answer to "where does my step go": the
-engine times forward, backward (split into the local backward and the gradient all-reduce /
-reduce-scatter) and the optimizer step, and prints them. This callback reads the same numbers
-through the engine's public ``get_wall_clock_timers()`` at every optimizer step (rank 0), logs
-them, and ends the fit with one finding that says where the time went. ``train.py`` adds it
-whenever the DeepSpeed config turns the timers on (wall_clock_breakdown, or the flops
-profiler); it costs nothing otherwise because it is not there.
-
-Validation forwards also run through the engine's timers; they are reset after each validation
-so the next training step is not charged for them.
-
-| metric key (every optimizer step, rank 0) | meaning |
-|---|---|
-| ``deepspeed/fwd_ms`` | forward of all micro-batches of the step |
-| ``deepspeed/bwd_ms`` | backward, of which: |
-| ``deepspeed/bwd_inner_ms`` | local backward (autograd) |
-| ``deepspeed/bwd_allreduce_ms`` | gradient reduction (all-reduce / reduce-scatter) |
-| ``deepspeed/step_ms`` | optimizer step (with ZeRO's parameter all-gather) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``ds_wall_clock`` | info | end of fit: mean ms per phase and the reduction's share of the step |
+The config example and the table of metrics and findings: the class docstring (`DeepSpeedWallClock`).
 """
 
 from __future__ import annotations
@@ -37,6 +16,35 @@ PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
 
 
 class DeepSpeedWallClock(DebugCallback):
+    """`DeepSpeedWallClock`: DeepSpeed's ``wall_clock_breakdown`` timings, into the metrics and the report.
+
+    ``"wall_clock_breakdown": true`` is DeepSpeed's own answer to "where does my step go": the
+    engine times forward, backward (split into the local backward and the gradient all-reduce /
+    reduce-scatter) and the optimizer step, and prints them. This callback reads the same numbers
+    through the engine's public ``get_wall_clock_timers()`` at every optimizer step (rank 0), logs
+    them, and ends the fit with one finding that says where the time went. ``train.py`` adds it
+    whenever the DeepSpeed config turns the timers on (wall_clock_breakdown, or the flops
+    profiler); it costs nothing otherwise because it is not there.
+
+    Validation forwards also run through the engine's timers; they are reset after each validation
+    so the next training step is not charged for them.
+
+    | metric key (every optimizer step, rank 0) | meaning |
+    |---|---|
+    | ``deepspeed/fwd_ms`` | forward of all micro-batches of the step |
+    | ``deepspeed/bwd_ms`` | backward, of which: |
+    | ``deepspeed/bwd_inner_ms`` | local backward (autograd) |
+    | ``deepspeed/bwd_allreduce_ms`` | gradient reduction (all-reduce / reduce-scatter) |
+    | ``deepspeed/step_ms`` | optimizer step (with ZeRO's parameter all-gather) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``ds_wall_clock`` | info | end of fit: mean ms per phase and the reduction's share of the step |
+
+    Example (no ``callbacks.*`` entry: a DeepSpeed JSON with ``"wall_clock_breakdown": true`` adds it)::
+
+        python train.py strategy=deepspeed_json strategy.config=tests/ds_configs/wall_clock_breakdown.json
+    """
     name = "ds_wall_clock"
 
     def __init__(self) -> None:

@@ -1,41 +1,6 @@
 """`FreezeVerify`: freeze parameters by name, then prove what learns and what doesn't.
 
-Catches (seed technique 6, "freeze all but one layer and check it trains"): parameters that
-should learn but don't, and says why -- frozen in the model code (``requires_grad=False``
-although the config trains them), never called in forward, called but detached (no
-gradient reaches them), gradient always exactly zero, lr=0 in their param group, not in the
-optimizer, or unchanged for another reason -- and frozen parameters that change anyway.
-
-Freezing happens in ``setup`` (stage fit), which Lightning runs before the strategy builds
-the optimizer / DeepSpeed engine, so frozen parameters are never handed to the optimizer.
-Evidence is collected for ``check_after_steps`` steps, then every hook is removed: gradient
-hooks on trainable parameters (they fire on each rank's local gradient, before any
-reduction, under DDP and every ZeRO stage), forward hooks on the modules owning them, and an
-exact fingerprint of each parameter's local data at the start and at the check (ZeRO-3:
-this rank's partition and its fp32 master copy; ZeRO-1/2: the parameter and this rank's fp32
-master fragment). One all-reduce (max) combines the ranks -- no parameter is gathered.
-
-Example::
-
-    python train.py +callbacks=freeze_verify 'callbacks.freeze_verify.train_only=[model.layers.0.*]' \\
-        strategy=zero3 trainer=ddp_sim
-
-Patterns match the net's parameter names (``model.layers.0.mlp.gate_proj.weight``; the
-LightningModule's ``net.`` prefix is optional): fnmatch on the whole name, or
-``re:<regex>`` searched in it. It logs no metrics.
-
-| finding code | severity | meaning |
-|---|---|---|
-| ``freeze_applied`` | info | what the patterns froze (counts, elements) |
-| ``frozen_outside_config`` | error | should train, but ``requires_grad=False`` was set elsewhere (model code) |
-| ``not_in_optimizer`` | error | trainable, but no param group of the optimizer holds it |
-| ``lr_zero_param`` | error | its param group's learning rate is 0 |
-| ``unused_param`` | error | no gradient ever; its module never ran in forward |
-| ``detached_param`` | error | no gradient ever, although its module ran (detach / no_grad / .data) |
-| ``zero_grad_param`` | error | gradients arrived but were exactly zero |
-| ``not_updated`` | error | non-zero gradients, lr > 0, yet unchanged (skipped steps, update below precision) |
-| ``frozen_param_changed`` | error | frozen by the config, yet changed (tied weights, optimizer built before freezing) |
-| ``freeze_verified`` | info | all trainable parameters changed and all frozen ones did not |
+The config example and the table of metrics and findings: the class docstring (`FreezeVerify`).
 """
 
 from __future__ import annotations
@@ -51,6 +16,8 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_monitor import display_name, grad_source
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
+
+__all__ = ["FreezeVerify"]
 
 _REASONS = {  # code -> (message stem, advice), checked in this order
     "frozen_outside_config": ("requires_grad=False was set outside freeze_verify (model code?) although the "
@@ -73,6 +40,45 @@ _REASONS = {  # code -> (message stem, advice), checked in this order
 
 
 class FreezeVerify(DebugCallback):
+    """`FreezeVerify`: freeze parameters by name, then prove what learns and what doesn't.
+
+    Catches (seed technique 6, "freeze all but one layer and check it trains"): parameters that
+    should learn but don't, and says why -- frozen in the model code (``requires_grad=False``
+    although the config trains them), never called in forward, called but detached (no
+    gradient reaches them), gradient always exactly zero, lr=0 in their param group, not in the
+    optimizer, or unchanged for another reason -- and frozen parameters that change anyway.
+
+    Freezing happens in ``setup`` (stage fit), which Lightning runs before the strategy builds
+    the optimizer / DeepSpeed engine, so frozen parameters are never handed to the optimizer.
+    Evidence is collected for ``check_after_steps`` steps, then every hook is removed: gradient
+    hooks on trainable parameters (they fire on each rank's local gradient, before any
+    reduction, under DDP and every ZeRO stage), forward hooks on the modules owning them, and an
+    exact fingerprint of each parameter's local data at the start and at the check (ZeRO-3:
+    this rank's partition and its fp32 master copy; ZeRO-1/2: the parameter and this rank's fp32
+    master fragment). One all-reduce (max) combines the ranks -- no parameter is gathered.
+
+    Example::
+
+        python train.py +callbacks=freeze_verify 'callbacks.freeze_verify.train_only=[model.layers.0.*]' \\
+            strategy=zero3 trainer=ddp_sim
+
+    Patterns match the net's parameter names (``model.layers.0.mlp.gate_proj.weight``; the
+    LightningModule's ``net.`` prefix is optional): fnmatch on the whole name, or
+    ``re:<regex>`` searched in it. It logs no metrics.
+
+    | finding code | severity | meaning |
+    |---|---|---|
+    | ``freeze_applied`` | info | what the patterns froze (counts, elements) |
+    | ``frozen_outside_config`` | error | should train, but ``requires_grad=False`` was set elsewhere (model code) |
+    | ``not_in_optimizer`` | error | trainable, but no param group of the optimizer holds it |
+    | ``lr_zero_param`` | error | its param group's learning rate is 0 |
+    | ``unused_param`` | error | no gradient ever; its module never ran in forward |
+    | ``detached_param`` | error | no gradient ever, although its module ran (detach / no_grad / .data) |
+    | ``zero_grad_param`` | error | gradients arrived but were exactly zero |
+    | ``not_updated`` | error | non-zero gradients, lr > 0, yet unchanged (skipped steps, update below precision) |
+    | ``frozen_param_changed`` | error | frozen by the config, yet changed (tied weights, optimizer built before freezing) |
+    | ``freeze_verified`` | info | all trainable parameters changed and all frozen ones did not |
+    """
     name = "freeze_verify"
 
     def __init__(self, train_only: Any = (), freeze: Any = (), check_after_steps: int = 3, max_names: int = 10,

@@ -1,105 +1,68 @@
 """`GradMonitor`: gradient norms, NaN/Inf, explosions, spikes and vanishing layers, before the update.
 
-Catches (seed technique 3): a NaN/Inf gradient (named: first offending parameter, its layer,
-step, batch, and the rank whose loss was already non-finite, if any), exploding gradients
-(global norm above ``max_norm``), sudden spikes against an EMA of the global norm, and layers
-whose gradient vanished. It runs in ``on_before_optimizer_step``: after backward, before
-clipping and the update, so a bad step is reported (and with ``on_error=skip|stop``
-dropped) before it reaches the weights. ``stop`` also drops the bad update, so the
-checkpoint it saves holds the last good weights.
-
-Correct under every strategy: with DDP (and one process) it reads ``param.grad``; under
-ZeRO-1/2 (``param.grad`` is None there after the reduction, verified) it reads each rank's
-fp32 gradient fragment (``param._hp_mapping``); under ZeRO-3 the local partition
-(``deepspeed.utils.safe_get_local_grad``). The per-parameter sums of squares are then
-all-reduced once per step, so norms are exact and no per-parameter collective runs. Only
-histograms need whole gradients (``safe_get_full_grad``, every rank, at their cadence).
-With DeepSpeed gradient accumulation it checks at the accumulation boundary only.
-
-Example::
-
-    python train.py +callbacks=grad_monitor callbacks.grad_monitor.every_n_steps=5 \\
-        callbacks.grad_monitor.on_error=skip strategy=zero3 trainer=ddp_sim
-
-| metric key (every ``every_n_steps``) | meaning |
-|---|---|
-| ``grad/norm/global`` | L2 norm of all gradients, before clipping |
-| ``grad/norm_ema`` | EMA of the global norm (what spikes are judged against) |
-| ``grad/max_abs`` | largest absolute gradient element |
-| ``grad/norm/<layer>`` | L2 norm per layer (``model.layers.3``; else the owning module) |
-| ``grad/param_norm/<param>`` | per parameter, when ``log_param_norms: true`` |
-| ``grad/hist/<param>`` | TensorBoard histogram every ``histogram_every_n_steps`` (0 = off) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
-| ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
-| ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
-| ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
-| ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
+The config example and the table of metrics and findings: the class docstring (`GradMonitor`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 from typing import Any
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
+# shared with the other gradient checks; re-exported: they and the tests import them from here
+from dsdebug.callbacks._grad_access import (  # noqa: F401
+    _at_accumulation_boundary, _num, display_name, grad_source, layer_of, local_grad, local_param)
+
+__all__ = ["GradMonitor", "display_name", "layer_of", "grad_source", "local_grad", "local_param"]
 
 log = logging.getLogger(__name__)
 
-_NUMBERED = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.x" -> "model.layers.3"
-
-
-def display_name(name: str) -> str:
-    """Parameter names as the user's net spells them (without the LightningModule's ``net.``)."""
-    return name[4:] if name.startswith("net.") else name
-
-
-def layer_of(name: str) -> str:
-    """The block a parameter belongs to: ``model.layers.3`` if numbered, else its module."""
-    m = _NUMBERED.match(name)
-    return m.group(1) if m else (name.rsplit(".", 1)[0] if "." in name else name)
-
-
-def grad_source(strategy: Any) -> str:
-    """Where gradients live in on_before_optimizer_step: replicated | zero12 | zero3."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if isinstance(strategy, DeepSpeedStrategy):
-        stage = ((strategy.config or {}).get("zero_optimization") or {}).get("stage", 0)
-        return "zero3" if stage == 3 else "zero12" if stage in (1, 2) else "replicated"
-    return "replicated"
-
-
-def local_grad(p: torch.Tensor, source: str) -> torch.Tensor | None:
-    """This rank's part of p's (already reduced) gradient. Local: no collective."""
-    if source == "zero3":
-        from deepspeed.utils import safe_get_local_grad
-
-        return safe_get_local_grad(p) if p.requires_grad else None
-    if source == "zero12":
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is None:
-            return None  # this rank owns no fragment of p
-        frag = mapping.get_lp_grad_fragment(p._index_in_param_group)
-        addr = mapping.lp_fragment_address
-        if frag.numel() == p.numel() and addr.numel != p.numel():  # BF16_Optimizer: full buffer
-            frag = frag.reshape(-1).narrow(0, addr.start, addr.numel)
-        return frag
-    return p.grad
-
-
-def local_param(p: torch.Tensor) -> torch.Tensor:
-    return p.ds_tensor if hasattr(p, "ds_tensor") else p.data  # ZeRO-3: this rank's partition
-
 
 class GradMonitor(DebugCallback):
+    """`GradMonitor`: gradient norms, NaN/Inf, explosions, spikes and vanishing layers, before the update.
+
+    Catches (seed technique 3): a NaN/Inf gradient (named: first offending parameter, its layer,
+    step, batch, and the rank whose loss was already non-finite, if any), exploding gradients
+    (global norm above ``max_norm``), sudden spikes against an EMA of the global norm, and layers
+    whose gradient vanished. It runs in ``on_before_optimizer_step``: after backward, before
+    clipping and the update, so a bad step is reported (and with ``on_error=skip|stop``
+    dropped) before it reaches the weights. ``stop`` also drops the bad update, so the
+    checkpoint it saves holds the last good weights.
+
+    Correct under every strategy: with DDP (and one process) it reads ``param.grad``; under
+    ZeRO-1/2 (``param.grad`` is None there after the reduction, verified) it reads each rank's
+    fp32 gradient fragment (``param._hp_mapping``); under ZeRO-3 the local partition
+    (``deepspeed.utils.safe_get_local_grad``). The per-parameter sums of squares are then
+    all-reduced once per step, so norms are exact and no per-parameter collective runs. Only
+    histograms need whole gradients (``safe_get_full_grad``, every rank, at their cadence).
+    With DeepSpeed gradient accumulation it checks at the accumulation boundary only.
+
+    Example::
+
+        python train.py +callbacks=grad_monitor callbacks.grad_monitor.every_n_steps=5 \\
+            callbacks.grad_monitor.on_error=skip strategy=zero3 trainer=ddp_sim
+
+    | metric key (every ``every_n_steps``) | meaning |
+    |---|---|
+    | ``grad/norm/global`` | L2 norm of all gradients, before clipping |
+    | ``grad/norm_ema`` | EMA of the global norm (what spikes are judged against) |
+    | ``grad/max_abs`` | largest absolute gradient element |
+    | ``grad/norm/<layer>`` | L2 norm per layer (``model.layers.3``; else the owning module) |
+    | ``grad/param_norm/<param>`` | per parameter, when ``log_param_norms: true`` |
+    | ``grad/hist/<param>`` | TensorBoard histogram every ``histogram_every_n_steps`` (0 = off) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
+    | ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
+    | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
+    | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
+    | ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
+    """
     name = "grad_monitor"
 
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,
@@ -325,14 +288,3 @@ class GradMonitor(DebugCallback):
                                  "counts": dict(self._counts), "source": self._source}, rank=None)
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _at_accumulation_boundary(trainer: Any) -> bool:
-    """DeepSpeed calls on_before_optimizer_step per micro-batch; the gradients are complete at the boundary."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if not isinstance(trainer.strategy, DeepSpeedStrategy):
-        return True  # Lightning calls the hook only at the boundary
-    return trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary()

@@ -1,42 +1,6 @@
 """`GradScaleCheck`: the gradient of each micro-batch is scaled the way the config says, verified once.
 
-Catches a wrong gradient scale under gradient accumulation before it wastes a run. With
-``accumulate_grad_batches=k`` Lightning divides each micro-batch's loss by k, and that must be
-the only division: the optimizer then sees the gradient of the mean loss over the k*b samples,
-exactly as one batch of k*b would give it. Lightning's stock DeepSpeed strategy let the
-engine divide by ``gradient_accumulation_steps`` a second time (Lightning #6170): gradients,
-grad norms and every gradient threshold were k times too small and clipping at 1.0 acted
-like k. Nothing else shows it: the loss still falls, only more slowly.
-
-How (every rank, once, no collective): at the first backward of the fit a hook on the loss
-tensor Lightning back-propagates records the gradient that reaches it. That is the factor the
-backward path applies on top of Lightning's 1/k: it must equal the mixed-precision loss scale
-(1 in fp32/bf16; under DeepSpeed the scale its optimizer applies, read through the engine's own
-``scale_if_loss``; under torch AMP Lightning has applied the scaler before the hook) and
-nothing more. It also compares the engine's ``gradient_accumulation_steps`` with
-``trainer.accumulate_grad_batches`` (a mismatch moves the optimizer step off Lightning's
-accumulation boundary). Each rank reaches the same verdict from the same config; rank 0 writes
-the finding, every rank applies the policy. Afterwards its hooks return at once. A healthy
-verdict is one log line (``grad_scale: verified ...``) and ``factor`` on the callback, not a
-finding: findings are for what needs a person.
-
-It is framework integrity, not a debug technique: on in every run (``debug=none`` included,
-like the liveness and preemption callbacks), off with ``~callbacks.grad_scale``.
-
-Not covered here: the averaging of gradients across data-parallel ranks (DDP and DeepSpeed
-average; tests/test_accumulation.py checks k x b against k*b end to end at 1 and 2 ranks).
-
-Example::
-
-    python train.py strategy=zero2 trainer.accumulate_grad_batches=4   # on by default
-    python train.py ~callbacks.grad_scale                              # off: no hooks at all
-
-| finding code | severity | when |
-|---|---|---|
-| ``grad_scale_wrong`` | error | the backward path scales the loss by a factor other than the loss scale |
-| ``accumulation_mismatch`` | error | DeepSpeed's gradient_accumulation_steps != trainer.accumulate_grad_batches |
-
-It logs no metrics.
+The config example and the table of metrics and findings: the class docstring (`GradScaleCheck`).
 """
 
 from __future__ import annotations
@@ -55,6 +19,46 @@ log = logging.getLogger(__name__)
 
 
 class GradScaleCheck(DebugCallback):
+    """`GradScaleCheck`: the gradient of each micro-batch is scaled the way the config says, verified once.
+
+    Catches a wrong gradient scale under gradient accumulation before it wastes a run. With
+    ``accumulate_grad_batches=k`` Lightning divides each micro-batch's loss by k, and that must be
+    the only division: the optimizer then sees the gradient of the mean loss over the k*b samples,
+    exactly as one batch of k*b would give it. Lightning's stock DeepSpeed strategy let the
+    engine divide by ``gradient_accumulation_steps`` a second time (Lightning #6170): gradients,
+    grad norms and every gradient threshold were k times too small and clipping at 1.0 acted
+    like k. Nothing else shows it: the loss still falls, only more slowly.
+
+    How (every rank, once, no collective): at the first backward of the fit a hook on the loss
+    tensor Lightning back-propagates records the gradient that reaches it. That is the factor the
+    backward path applies on top of Lightning's 1/k: it must equal the mixed-precision loss scale
+    (1 in fp32/bf16; under DeepSpeed the scale its optimizer applies, read through the engine's own
+    ``scale_if_loss``; under torch AMP Lightning has applied the scaler before the hook) and
+    nothing more. It also compares the engine's ``gradient_accumulation_steps`` with
+    ``trainer.accumulate_grad_batches`` (a mismatch moves the optimizer step off Lightning's
+    accumulation boundary). Each rank reaches the same verdict from the same config; rank 0 writes
+    the finding, every rank applies the policy. Afterwards its hooks return at once. A healthy
+    verdict is one log line (``grad_scale: verified ...``) and ``factor`` on the callback, not a
+    finding: findings are for what needs a person.
+
+    It is framework integrity, not a debug technique: on in every run (``debug=none`` included,
+    like the liveness and preemption callbacks), off with ``~callbacks.grad_scale``.
+
+    Not covered here: the averaging of gradients across data-parallel ranks (DDP and DeepSpeed
+    average; tests/test_accumulation.py checks k x b against k*b end to end at 1 and 2 ranks).
+
+    Example::
+
+        python train.py strategy=zero2 trainer.accumulate_grad_batches=4   # on by default
+        python train.py ~callbacks.grad_scale                              # off: no hooks at all
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``grad_scale_wrong`` | error | the backward path scales the loss by a factor other than the loss scale |
+    | ``accumulation_mismatch`` | error | DeepSpeed's gradient_accumulation_steps != trainer.accumulate_grad_batches |
+
+    It logs no metrics.
+    """
     name = "grad_scale"
 
     def __init__(self, rtol: float = 1e-3, on_error: str = "warn") -> None:

@@ -1,41 +1,6 @@
 """`LayerHealth`: layers that vanish, stall or explode RELATIVE to the rest of the net.
 
-grad_monitor's checks are absolute (a layer's norm < 1e-8, the global norm > max_norm); this
-one compares layers with each other and with their own history (issue 14, seed technique 3):
-- a layer whose gradient per element (RMS: ``sqrt(sum g^2 / numel)``, so a 4096 x 256
-  embedding and a 256-element norm weigh alike) is < ``vanish_ratio`` x the median layer's;
-- a layer whose update ratio ``|W_after - W_before| / |W_before|`` (measured around the optimizer
-  step) is < ``ratio_floor`` x the median layer's: AdamW normalises gradient scale, so a tiny
-  per-group LR shows only here;
-- a layer whose gradient norm jumped > ``explode_factor`` x its own history (geometric EMA,
-  after ``warmup_steps`` checks) while the median layer did not (a global jump is grad_monitor's).
-Layers are blocks (``model.layers.3``, grad_monitor's ``layer_of``): MoE experts that got no
-tokens are part of their block, so they do not look dead. Embedding rows of unseen tokens get
-no gradient: this dilutes its RMS by ~sqrt(seen rows / vocab), orders above ``vanish_ratio``.
-
-Strategies: gradients are read as grad_monitor reads them (``param.grad``; ZeRO-1/2 fp32
-fragments; ZeRO-3 local partitions); weights from ``param.data`` (ZeRO-1/2: the lp weights
-the all-gather refreshes after the step) or ZeRO-3's local partition ``ds_tensor`` (padding
-cut off). What is partitioned (per-layer sums of squares) is all-reduced ONCE per checked step,
-in ``on_train_batch_end``, on every rank; every decision uses the reduced values, rank 0
-writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
-The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
-
-Example::
-
-    python train.py +callbacks=layer_health callbacks.layer_health.every_n_steps=5 strategy=zero3 trainer=ddp_sim
-
-| metric key (every ``every_n_steps``) | meaning |
-|---|---|
-| ``layers/update_ratio/<layer>`` | ``|dW| / |W|`` of the layer's trainable weights over one optimizer step |
-| ``layers/grad_rel/<layer>`` | the layer's gradient RMS / the median layer's gradient RMS |
-
-| finding code | severity | when |
-|---|---|---|
-| ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's, ``patience`` in a row |
-| ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
-| ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
-| ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
+The config example and the table of metrics and findings: the class docstring (`LayerHealth`).
 """
 
 from __future__ import annotations
@@ -53,10 +18,51 @@ from dsdebug.callbacks.grad_monitor import (_at_accumulation_boundary, display_n
                                         local_param)
 from dsdebug.errors import ConfigError
 
+__all__ = ["LayerHealth"]
+
 log = logging.getLogger(__name__)
 
 
 class LayerHealth(DebugCallback):
+    """`LayerHealth`: layers that vanish, stall or explode RELATIVE to the rest of the net.
+
+    grad_monitor's checks are absolute (a layer's norm < 1e-8, the global norm > max_norm); this
+    one compares layers with each other and with their own history (issue 14, seed technique 3):
+    - a layer whose gradient per element (RMS: ``sqrt(sum g^2 / numel)``, so a 4096 x 256
+      embedding and a 256-element norm weigh alike) is < ``vanish_ratio`` x the median layer's;
+    - a layer whose update ratio ``|W_after - W_before| / |W_before|`` (measured around the optimizer
+      step) is < ``ratio_floor`` x the median layer's: AdamW normalises gradient scale, so a tiny
+      per-group LR shows only here;
+    - a layer whose gradient norm jumped > ``explode_factor`` x its own history (geometric EMA,
+      after ``warmup_steps`` checks) while the median layer did not (a global jump is grad_monitor's).
+    Layers are blocks (``model.layers.3``, grad_monitor's ``layer_of``): MoE experts that got no
+    tokens are part of their block, so they do not look dead. Embedding rows of unseen tokens get
+    no gradient: this dilutes its RMS by ~sqrt(seen rows / vocab), orders above ``vanish_ratio``.
+
+    Strategies: gradients are read as grad_monitor reads them (``param.grad``; ZeRO-1/2 fp32
+    fragments; ZeRO-3 local partitions); weights from ``param.data`` (ZeRO-1/2: the lp weights
+    the all-gather refreshes after the step) or ZeRO-3's local partition ``ds_tensor`` (padding
+    cut off). What is partitioned (per-layer sums of squares) is all-reduced ONCE per checked step,
+    in ``on_train_batch_end``, on every rank; every decision uses the reduced values, rank 0
+    writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
+    The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
+
+    Example::
+
+        python train.py +callbacks=layer_health callbacks.layer_health.every_n_steps=5 strategy=zero3 trainer=ddp_sim
+
+    | metric key (every ``every_n_steps``) | meaning |
+    |---|---|
+    | ``layers/update_ratio/<layer>`` | ``|dW| / |W|`` of the layer's trainable weights over one optimizer step |
+    | ``layers/grad_rel/<layer>`` | the layer's gradient RMS / the median layer's gradient RMS |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's, ``patience`` in a row |
+    | ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
+    | ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
+    | ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
+    """
     name = "layer_health"
 
     def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,

@@ -1,54 +1,11 @@
 """`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
 
-Each optimizer step, before the update, the training loss (averaged over ranks and over the
-accumulated micro-batches) is judged against a rolling window of the last ``window`` healthy
-steps: robust z = (loss - median) / (1.4826 MAD) and relative jump = loss / median - 1.
-A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
-``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
-the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
-Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
-spike, so the big early moves of training are silent. The score logged as ``spike/score``
-is the decision statistic: a spike iff score >= 1.
-
-Policies (``policy``): ``warn`` reports; ``skip`` drops that update on every rank
-(``skip_optimizer_step``, see src/models/lm_module.py); ``rollback`` drops it, then reloads
-weights + optimizer state from the newest checkpoint that verifies against its manifest,
-keeping the step counter, LR schedule and data iterator moving forward, so the batches from
-that checkpoint to the spike are skipped (PaLM), recorded in ``<run_dir>/skipped_batches.json``.
-A resume (``ckpt_path=``/``resume=``) from a checkpoint before them, with this check on, drops
-them from the data stream (``LMDataModule.exclude_batches``). No verified checkpoint yet:
-rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
-``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
-
-Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
-loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
-alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
-Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
-
-Example::
-
-    python train.py +callbacks=loss_spike callbacks.loss_spike.policy=rollback \\
-        callbacks.model_checkpoint.every_n_train_steps=50
-
-| metric key (every optimizer step) | meaning |
-|---|---|
-| ``spike/loss_median`` | median of the window's losses |
-| ``spike/score`` | decision statistic (>= 1 = spike) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``loss_spike`` | warning | a spike, policy warn (step, batch, loss vs median, rank with the largest loss) |
-| ``loss_spike_skipped`` | warning | a spike whose update was dropped (skip; rollback without a verified checkpoint) |
-| ``loss_spike_rollback`` | warning | rolled back to a checkpoint; the skipped batch range |
-| ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
-| ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
-| ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+The config example and the table of metrics and findings: the class docstring (`LossSpike`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -57,57 +14,63 @@ import torch
 
 from dsdebug.callbacks import _spike_rollback as rb
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, _num, grad_source, local_grad
+from dsdebug.callbacks._grad_access import _at_accumulation_boundary, _num, grad_source, local_grad
+from dsdebug.callbacks._loss_spike_window import SpikeWindow
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, get_channel
+
+__all__ = ["LossSpike", "SpikeWindow"]
 
 POLICIES = ("warn", "skip", "rollback")
 
 
-class SpikeWindow:
-    """The detector: rolling median/MAD of healthy (step, loss, grad_norm) records. No collectives."""
-
-    def __init__(self, window: int, warmup_steps: int, z_threshold: float, min_rel_jump: float,
-                 grad_ratio: float | None) -> None:
-        self.window, self.warmup_steps = window, warmup_steps
-        self.z_threshold, self.min_rel_jump, self.grad_ratio = z_threshold, min_rel_jump, grad_ratio
-        self.history: deque[tuple[int, float, float | None]] = deque(maxlen=20_000)  # for rollbacks
-
-    def push(self, step: int, loss: float, gnorm: float | None) -> None:
-        self.history.append((step, loss, gnorm))
-
-    def rollback_to(self, step: int) -> None:
-        """Forget what was seen from ``step`` on: the window as it was when that checkpoint was taken."""
-        while self.history and self.history[-1][0] >= step:
-            self.history.pop()
-
-    def judge(self, loss: float, gnorm: float | None) -> dict[str, Any]:
-        if not math.isfinite(loss):
-            return {"spike": True, "score": math.inf, "why": "non-finite loss", "median": None}
-        recent = list(self.history)[-self.window:]
-        if len(self.history) < self.warmup_steps or not recent:
-            return {"spike": False, "score": 0.0, "why": "warm-up", "median": None}
-        med = statistics.median(r[1] for r in recent)
-        mad = statistics.median(abs(r[1] - med) for r in recent)
-        scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
-        z = (loss - med) / scale
-        jump = loss / med - 1 if med > 0 else (math.inf if loss > med else 0.0)
-        score = max(0.0, min(z / self.z_threshold, jump / self.min_rel_jump))
-        ratio, gmed = None, None
-        norms = [r[2] for r in recent if r[2] is not None and math.isfinite(r[2])]
-        if self.grad_ratio is not None and gnorm is not None and norms:
-            gmed = statistics.median(norms)
-            ratio = gnorm / gmed if gmed > 0 else math.inf
-            score = max(score, min(ratio / self.grad_ratio, 2 * z / self.z_threshold, 2 * jump / self.min_rel_jump))
-        why = (f"loss {loss:.4g} vs window median {med:.4g} (x{loss / med:.2f}, robust z {z:.1f}, MAD {mad:.3g})"
-               if med > 0 else f"loss {loss:.4g} vs window median {med:.4g}")
-        if ratio is not None:
-            why += f"; grad norm {gnorm:.4g} = {ratio:.2f}x its median {gmed:.4g}"
-        return {"spike": score >= 1.0, "score": score, "why": why, "median": med, "mad": mad, "z": z,
-                "jump": jump, "grad_norm": gnorm, "grad_ratio": ratio}
-
-
 class LossSpike(DebugCallback):
+    """`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
+
+    Each optimizer step, before the update, the training loss (averaged over ranks and over the
+    accumulated micro-batches) is judged against a rolling window of the last ``window`` healthy
+    steps: robust z = (loss - median) / (1.4826 MAD) and relative jump = loss / median - 1.
+    A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
+    ``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
+    the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
+    Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
+    spike, so the big early moves of training are silent. The score logged as ``spike/score``
+    is the decision statistic: a spike iff score >= 1.
+
+    Policies (``policy``): ``warn`` reports; ``skip`` drops that update on every rank
+    (``skip_optimizer_step``, see src/models/lm_module.py); ``rollback`` drops it, then reloads
+    weights + optimizer state from the newest checkpoint that verifies against its manifest,
+    keeping the step counter, LR schedule and data iterator moving forward, so the batches from
+    that checkpoint to the spike are skipped (PaLM), recorded in ``<run_dir>/skipped_batches.json``.
+    A resume (``ckpt_path=``/``resume=``) from a checkpoint before them, with this check on, drops
+    them from the data stream (``LMDataModule.exclude_batches``). No verified checkpoint yet:
+    rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
+    ``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
+
+    Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
+    loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
+    alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
+    Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
+
+    Example::
+
+        python train.py +callbacks=loss_spike callbacks.loss_spike.policy=rollback \\
+            callbacks.model_checkpoint.every_n_train_steps=50
+
+    | metric key (every optimizer step) | meaning |
+    |---|---|
+    | ``spike/loss_median`` | median of the window's losses |
+    | ``spike/score`` | decision statistic (>= 1 = spike) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``loss_spike`` | warning | a spike, policy warn (step, batch, loss vs median, rank with the largest loss) |
+    | ``loss_spike_skipped`` | warning | a spike whose update was dropped (skip; rollback without a verified checkpoint) |
+    | ``loss_spike_rollback`` | warning | rolled back to a checkpoint; the skipped batch range |
+    | ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
+    | ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
+    | ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+    """
     name = "loss_spike"
 
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,

@@ -1,57 +1,12 @@
 """`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
 
-Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
-loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
-holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
-crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.
-
-- Memory is read locally, without syncs: on GPU ``torch.cuda.memory_allocated`` /
-  ``max_memory_allocated`` / ``max_memory_reserved``; on CPU the current RSS
-  (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
-- Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
-  grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
-  hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
-  with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
-  the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
-  params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
-  separate fp32 master partition of ZeRO-1/2/3.
-- Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
-  slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
-  growing, is a leak. Each rank judges its own memory and names itself.
-- OOM: Lightning calls ``on_exception``; ``torch.OutOfMemoryError`` (CUDA) or CPU allocator
-  failures become an ``oom`` error naming the phase (forward/backward/optimizer/validation), the
-  peak, and what to change, activation remedies first for forward/backward, state remedies first
-  for the optimizer step.
-
-Rank awareness: sampling and growth are local (a rank reports its own leak). The model-state
-check runs ONE all-reduce (a world-size vector of held bytes) on every rank at the same step;
-rank 0 reports. The summary at the end runs one all-reduce of per-rank peaks on every rank.
-
-Example::
-
-    python train.py +callbacks=memory callbacks.memory.growth_mb_per_step=2 strategy=zero3 trainer=ddp_sim
-
-| metric key (every ``trainer.log_every_n_steps``, rank 0's values) | meaning |
-|---|---|
-| ``memory/rss_gb`` | current resident memory of the process (CPU) |
-| ``memory/peak_gb`` | peak: ``ru_maxrss`` on CPU, ``max_memory_allocated`` on GPU |
-| ``memory/allocated_gb`` / ``memory/reserved_gb`` | GPU only: allocated now / peak reserved by the caching allocator |
-| ``memory/model_states_gb`` / ``memory/model_states_expected_gb`` | once: held model-state bytes vs the formula |
-
-| finding code | severity | when |
-|---|---|---|
-| ``model_states_unexpected`` | warning | a rank holds > (1 + ``states_tolerance``) x the formula for the active stage |
-| ``memory_growth`` | warning | memory grows > ``growth_mb_per_step`` MB/step over ``growth_window`` steps (a leak) |
-| ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
-| ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
-| ``memory_summary`` | info | at the end: per-rank peak memory |
+The config example and the table of metrics and findings: the class docstring (`MemoryMonitor`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 from collections import deque
 from typing import Any
@@ -61,76 +16,63 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError, is_out_of_memory
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
+from dsdebug.callbacks._grad_access import _at_accumulation_boundary, _num
+from dsdebug.callbacks._memory_math import GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes
+
+__all__ = ["MemoryMonitor", "expected_state_bytes", "growth", "oom_advice", "rss_bytes"]
 
 log = logging.getLogger(__name__)
-GB, MB = 2**30, 2**20
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-_STATM: tuple[int, int] | None = None  # (pid, open fd of /proc/self/statm): re-read with pread, ~5x cheaper
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process (Linux /proc; psutil elsewhere)."""
-    global _STATM
-    try:
-        if _STATM is None or _STATM[0] != os.getpid():
-            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
-        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
-    except OSError:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-
-def growth(samples: list[tuple[int, int]]) -> tuple[float, float]:
-    """(least-squares slope in MB/step, share of step-over-step increases) of (step, bytes) samples."""
-    if len(samples) < 3:
-        return 0.0, 0.0
-    xs, ys = [s for s, _ in samples], [b / MB for _, b in samples]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    ups = sum(b > a for a, b in zip(ys, ys[1:]))
-    return slope, ups / (len(ys) - 1)
-
-
-def expected_state_bytes(layout: str, psi: int, n: int, per_param: tuple[int, int, int],
-                         persistent: int = 0) -> dict:
-    """The paper's bytes per rank plus DeepSpeed's documented extras (see the module docstring)."""
-    param_b, grad_b, k = per_param
-    formula = paper_bytes(layout, psi, n, param_b, grad_b, k)
-    stage = 0 if layout == "ddp" else int(layout[4])
-    extra = param_b * persistent * (1 - 1 / n) if stage == 3 else 0.0  # persistent params: whole on every rank
-    if stage >= 1 and param_b == 4:
-        extra += 4 * psi / n  # fp32 run: ZeRO keeps a separate fp32 master partition besides the fp32 params
-    return {**formula, "extra": extra, "expected": formula["total"] + extra}
-
-
-def oom_advice(phase: str, layout: str, checkpointing: bool, batch_size: Any, seq_len: Any) -> list[str]:
-    """Seed-003 remedies, most useful first for this config and the phase that ran out."""
-    stage = 0 if layout == "ddp" else int(layout[4])
-    activations = []
-    if isinstance(batch_size, int) and batch_size > 1:
-        activations.append(f"halve data.batch_size (now {batch_size}) and double trainer.accumulate_grad_batches "
-                           "to keep the global batch")
-    if not checkpointing:
-        activations.append("turn on gradient checkpointing (an activation_checkpointing section in a ds_config, "
-                           "docs/ds_config.md): activations are recomputed in backward")
-    if isinstance(seq_len, int) and seq_len > 64:
-        activations.append(f"shorten data.seq_len (now {seq_len})")
-    states = []
-    if stage < 3:
-        states.append(f"a higher ZeRO stage ({'strategy=zero3' if stage == 2 else 'strategy=zero2 or zero3'}): "
-                      "shards optimizer states, gradients, then parameters across ranks")
-    if "offload" not in layout:
-        states.append(f"offload to CPU (strategy={'zero3' if stage == 3 else 'zero2'}_offload)")
-    if phase == "optimizer":
-        return states + activations
-    return activations + states
 
 
 class MemoryMonitor(DebugCallback):
+    """`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
+
+    Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
+    loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
+    holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
+    crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.
+
+    - Memory is read locally, without syncs: on GPU ``torch.cuda.memory_allocated`` /
+      ``max_memory_allocated`` / ``max_memory_reserved``; on CPU the current RSS
+      (``/proc/self/statm``) and the peak RSS (``getrusage`` ``ru_maxrss``).
+    - Model states: once, at ``check_states_at_step`` (after backward, before the update: params,
+      grads and Adam states all live), every rank sums the tensor storages its engine/optimizer/params
+      hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
+      with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
+      the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
+      params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
+      separate fp32 master partition of ZeRO-1/2/3.
+    - Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
+      slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
+      growing, is a leak. Each rank judges its own memory and names itself.
+    - OOM: Lightning calls ``on_exception``; ``torch.OutOfMemoryError`` (CUDA) or CPU allocator
+      failures become an ``oom`` error naming the phase (forward/backward/optimizer/validation), the
+      peak, and what to change, activation remedies first for forward/backward, state remedies first
+      for the optimizer step.
+
+    Rank awareness: sampling and growth are local (a rank reports its own leak). The model-state
+    check runs ONE all-reduce (a world-size vector of held bytes) on every rank at the same step;
+    rank 0 reports. The summary at the end runs one all-reduce of per-rank peaks on every rank.
+
+    Example::
+
+        python train.py +callbacks=memory callbacks.memory.growth_mb_per_step=2 strategy=zero3 trainer=ddp_sim
+
+    | metric key (every ``trainer.log_every_n_steps``, rank 0's values) | meaning |
+    |---|---|
+    | ``memory/rss_gb`` | current resident memory of the process (CPU) |
+    | ``memory/peak_gb`` | peak: ``ru_maxrss`` on CPU, ``max_memory_allocated`` on GPU |
+    | ``memory/allocated_gb`` / ``memory/reserved_gb`` | GPU only: allocated now / peak reserved by the caching allocator |
+    | ``memory/model_states_gb`` / ``memory/model_states_expected_gb`` | once: held model-state bytes vs the formula |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``model_states_unexpected`` | warning | a rank holds > (1 + ``states_tolerance``) x the formula for the active stage |
+    | ``memory_growth`` | warning | memory grows > ``growth_mb_per_step`` MB/step over ``growth_window`` steps (a leak) |
+    | ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
+    | ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
+    | ``memory_summary`` | info | at the end: per-rank peak memory |
+    """
     name = "memory"
 
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 20, growth_window: int = 50,
@@ -308,11 +250,3 @@ class MemoryMonitor(DebugCallback):
 def _int(v: Any, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _at_accumulation_boundary(trainer: Any) -> bool:
-    engine = getattr(trainer.strategy, "deepspeed_engine", None)  # Lightning calls the hook per micro-batch there
-    return engine is None or engine.is_gradient_accumulation_boundary()

@@ -1,51 +1,6 @@
 """`MixedPrecisionCheck`: fp16 loss-scale trajectory, skipped steps, overflow streaks, bf16 update underflow.
 
-Catches (seed 002, "混合精度训练不稳定"): an fp16 run whose dynamic loss scaler keeps skipping
-steps (a streak of overflows: the gradients are non-finite whatever the scale, i.e. a real
-NaN/Inf, not a too-high scale), a scale that collapsed to its floor (training has effectively
-stopped: every step is skipped or its gradients underflow), too many skipped steps over a window,
-and, for weights kept in bf16 without fp32 master copies, updates rounded away (|dw| < ~2^-8 |w|).
-
-Where the loss scale is read (python numbers, after each optimizer step; no collective): DeepSpeed fp16
-from ``engine.optimizer.loss_scaler`` (DynamicLossScaler: ``cur_scale``, ``min_scale``, hysteresis
-``delayed_shift``, ``scale_window``) and ``engine.skipped_steps`` (no device sync); Lightning
-``16-mixed`` from ``trainer.precision_plugin.scaler.get_scale()`` -- a step was skipped iff the
-scale went down (GradScaler backs off on every inf step, only then); one ``.item()`` per step on
-GPU, after GradScaler.step has synchronised anyway. fp32/bf16: no scaler, that part is idle. The
-scale and skip flags are agreed across ranks by both scalers, so every rank decides alike: rank 0
-writes, every rank applies ``on_error`` (warn | stop; ``skip`` is refused: the step is skipped).
-
-bf16 update underflow (every ``every_n_steps``, rank 0: weights replicated): when the optimizer
-updates bf16 weights itself (``bf16-true``; not DeepSpeed, whose bf16 optimizers keep fp32
-masters, nor ``bf16-mixed``, fp32 weights), it clones them before the step and counts elements
-with a non-zero gradient that did not move (update < half a bf16 ulp). Cost: one copy of the
-bf16 weights per checked step. Gradient underflow: exact zeros are NOT used (embedding rows, idle
-experts and dead units give many structural zeros); the robust signal is the share of non-zero
-fp16 gradient elements below fp16's smallest normal (6.1e-5: losing bits, their smaller
-neighbours flushed to 0). bf16 has fp32's exponent range and is not judged; torch AMP's parameter
-gradients are fp32 (its underflow shows as a low loss scale), so this applies to fp16 gradients
-only (DeepSpeed fp16, fp16 weights).
-
-Example::
-
-    python train.py +callbacks=mixed_precision trainer=gpu trainer.precision=16-mixed
-    python train.py +callbacks=mixed_precision trainer.precision=bf16-true strategy=ddp
-
-| metric key | meaning |
-|---|---|
-| ``precision/loss_scale`` | current loss scale (fp16 only, every ``every_n_steps``) |
-| ``precision/skipped_steps`` | skipped (overflowed) optimizer steps so far |
-| ``precision/bf16_stale_fraction`` | share of bf16 weight elements with a gradient that did not move |
-| ``precision/fp16_subnormal_grad_fraction`` | share of non-zero fp16 gradient elements below fp16's smallest normal |
-
-| finding code | severity | when |
-|---|---|---|
-| ``overflow_streak`` | warning / error | ``streak_warn`` / ``streak_error`` consecutive skipped steps |
-| ``loss_scale_min`` | error | a step overflowed and the scale is at its floor (DeepSpeed ``min_scale``, else ``min_scale``) |
-| ``frequent_overflow`` | warning | > ``max_skip_fraction`` of the last ``window`` steps skipped (after ``warmup_steps``) |
-| ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``; once) |
-| ``grad_underflow`` | warning | > ``max_subnormal_fraction`` of non-zero fp16 gradient elements are subnormal |
-| ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, worst stale fraction |
+The config example and the table of metrics and findings: the class docstring (`MixedPrecisionCheck`).
 """
 
 from __future__ import annotations
@@ -73,6 +28,55 @@ ADVICE = ("seed 002: keep dynamic loss scaling (DeepSpeed fp16.loss_scale=0) wit
 
 
 class MixedPrecisionCheck(DebugCallback):
+    """`MixedPrecisionCheck`: fp16 loss-scale trajectory, skipped steps, overflow streaks, bf16 update underflow.
+
+    Catches (seed 002, "混合精度训练不稳定"): an fp16 run whose dynamic loss scaler keeps skipping
+    steps (a streak of overflows: the gradients are non-finite whatever the scale, i.e. a real
+    NaN/Inf, not a too-high scale), a scale that collapsed to its floor (training has effectively
+    stopped: every step is skipped or its gradients underflow), too many skipped steps over a window,
+    and, for weights kept in bf16 without fp32 master copies, updates rounded away (|dw| < ~2^-8 |w|).
+
+    Where the loss scale is read (python numbers, after each optimizer step; no collective): DeepSpeed fp16
+    from ``engine.optimizer.loss_scaler`` (DynamicLossScaler: ``cur_scale``, ``min_scale``, hysteresis
+    ``delayed_shift``, ``scale_window``) and ``engine.skipped_steps`` (no device sync); Lightning
+    ``16-mixed`` from ``trainer.precision_plugin.scaler.get_scale()`` -- a step was skipped iff the
+    scale went down (GradScaler backs off on every inf step, only then); one ``.item()`` per step on
+    GPU, after GradScaler.step has synchronised anyway. fp32/bf16: no scaler, that part is idle. The
+    scale and skip flags are agreed across ranks by both scalers, so every rank decides alike: rank 0
+    writes, every rank applies ``on_error`` (warn | stop; ``skip`` is refused: the step is skipped).
+
+    bf16 update underflow (every ``every_n_steps``, rank 0: weights replicated): when the optimizer
+    updates bf16 weights itself (``bf16-true``; not DeepSpeed, whose bf16 optimizers keep fp32
+    masters, nor ``bf16-mixed``, fp32 weights), it clones them before the step and counts elements
+    with a non-zero gradient that did not move (update < half a bf16 ulp). Cost: one copy of the
+    bf16 weights per checked step. Gradient underflow: exact zeros are NOT used (embedding rows, idle
+    experts and dead units give many structural zeros); the robust signal is the share of non-zero
+    fp16 gradient elements below fp16's smallest normal (6.1e-5: losing bits, their smaller
+    neighbours flushed to 0). bf16 has fp32's exponent range and is not judged; torch AMP's parameter
+    gradients are fp32 (its underflow shows as a low loss scale), so this applies to fp16 gradients
+    only (DeepSpeed fp16, fp16 weights).
+
+    Example::
+
+        python train.py +callbacks=mixed_precision trainer=gpu trainer.precision=16-mixed
+        python train.py +callbacks=mixed_precision trainer.precision=bf16-true strategy=ddp
+
+    | metric key | meaning |
+    |---|---|
+    | ``precision/loss_scale`` | current loss scale (fp16 only, every ``every_n_steps``) |
+    | ``precision/skipped_steps`` | skipped (overflowed) optimizer steps so far |
+    | ``precision/bf16_stale_fraction`` | share of bf16 weight elements with a gradient that did not move |
+    | ``precision/fp16_subnormal_grad_fraction`` | share of non-zero fp16 gradient elements below fp16's smallest normal |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``overflow_streak`` | warning / error | ``streak_warn`` / ``streak_error`` consecutive skipped steps |
+    | ``loss_scale_min`` | error | a step overflowed and the scale is at its floor (DeepSpeed ``min_scale``, else ``min_scale``) |
+    | ``frequent_overflow`` | warning | > ``max_skip_fraction`` of the last ``window`` steps skipped (after ``warmup_steps``) |
+    | ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``; once) |
+    | ``grad_underflow`` | warning | > ``max_subnormal_fraction`` of non-zero fp16 gradient elements are subnormal |
+    | ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, worst stale fraction |
+    """
     name = "mixed_precision"
 
     def __init__(self, every_n_steps: int = 50, streak_warn: int = 4, streak_error: int = 10,

@@ -1,42 +1,6 @@
 """`MoERouter`: MoE router health -- collapse, dead experts, load imbalance, aux-loss trend.
 
-Catches a router that sends (nearly) every token to the same expert(s), experts that receive no
-token at all, persistent load imbalance, and a balance (aux) loss that keeps climbing. It taps
-the routing the module already captures (``MoEBalance.observe``: the chosen top-k experts and the
-router logits of every training forward, every MoE layer, DeepSeek V2/V3 and HF Mixtral /
-Qwen-MoE / OLMoE routers), counts tokens per expert per layer on each rank, and closes a window
-every ``window_steps`` optimizer steps (and at ``max_steps``): the window's
-``[layers x experts]`` counts, entropy sums and aux/CE sums are ONE all-reduce on every rank, so
-every decision is global and the same on all ranks; rank 0 writes the findings (rank=None).
-Windows starting before ``warmup_steps`` are logged, not judged (random-init routers are jumpy).
-Works under ddp, ZeRO-1/2/3 (the hooks see the router's outputs; no parameter is read).
-
-Router entropy is per token, from the router's logits (softmax; DeepSeek-V3: its sigmoid scores
-normalised to sum 1), averaged over tokens, divided by log E: 1 = the router cannot decide, low =
-confident (healthy routers grow confident; this is information, not a finding). Collapse is
-judged on the LOAD: ``load_entropy`` = (H(load) - log k) / (log E - log k), 1 = uniform over the
-E experts, 0 = every token on the same top-k experts.
-
-Example::
-
-    python train.py +callbacks=moe_router callbacks.moe_router.window_steps=20 trainer=ddp_sim strategy=zero3
-
-| metric key (at each window) | meaning |
-|---|---|
-| ``moe_router/entropy/L<i>`` | mean per-token router entropy / log E, decoder layer i |
-| ``moe_router/load_entropy/L<i>`` | normalised entropy of the window's token load (1 uniform, 0 collapsed) |
-| ``moe_router/max_share/L<i>`` | busiest expert's share of the layer's routed token-slots (uniform: 1/E) |
-| ``moe_router/dead/L<i>`` | experts that got no token in the window (see ``dead_below``) |
-| ``moe_router/aux_loss`` | window mean of ``train/aux_loss`` / its balanced value (1 = balanced) |
-
-| finding code | severity | when (full windows after ``warmup_steps``) |
-|---|---|---|
-| ``router_collapse`` | error | an expert is chosen by >= ``collapse_tokens`` of a layer's tokens |
-| ``router_collapse`` | warning | a layer's ``load_entropy`` < ``collapse_entropy`` |
-| ``dead_experts`` | warning | experts with share <= ``dead_below`` x 1/E (0: no token at all), named per layer |
-| ``load_imbalance`` | warning | max/mean load > ``imbalance_max`` for ``imbalance_windows`` windows in a row |
-| ``aux_loss_rising`` | warning | window aux loss rose ``aux_windows`` times in a row, to > (1+``aux_rise``) x its minimum |
-| ``router_summary`` | info | at the end: per-layer entropy, load entropy, max share, dead experts, token share matrix |
+The config example and the table of metrics and findings: the class docstring (`MoERouter`).
 """
 
 from __future__ import annotations
@@ -49,41 +13,53 @@ import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
-from dsdebug.models.moe_aux import normalised_probs
+from dsdebug.callbacks._moe_router_stats import record_stats, window_stats
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
 log = logging.getLogger(__name__)
 
 
-@torch.no_grad()
-def record_stats(records: list, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One forward's token-slot counts ``[L, E]``, summed per-token router entropy ``[L]`` and tokens ``[L]``.
-    Batched over layers (one bincount, one entropy): ~1 ms for 3 layers x 1024 tokens on CPU."""
-    if len({(r.logits.shape, r.topk_indices.shape, r.score_func) for r in records}) > 1:  # layers differ
-        parts = [record_stats([r], num_experts) for r in records]
-        return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
-    n = len(records)
-    idx = torch.stack([r.topk_indices.reshape(-1) for r in records]).cpu()
-    idx = idx + torch.arange(n).unsqueeze(1) * num_experts
-    counts = torch.bincount(idx.reshape(-1), minlength=n * num_experts).reshape(n, num_experts).double()
-    probs = normalised_probs(torch.stack([r.logits.detach() for r in records]), records[0].score_func)
-    entropy = torch.special.entr(probs).sum(-1).sum(-1).double().cpu()
-    return counts, entropy, torch.full((n,), float(probs.shape[1]), dtype=torch.float64)
-
-
-def window_stats(counts: torch.Tensor, ent_sum: torch.Tensor, tokens: torch.Tensor, top_k: int) -> dict:
-    """Per-layer statistics of one (all-reduced) window; tensors of length L unless noted."""
-    experts = counts.shape[-1]
-    share = counts / counts.sum(-1, keepdim=True).clamp_min(1.0)  # [L, E], rows sum to 1
-    h = -(share * share.clamp_min(1e-30).log()).sum(-1)
-    span = math.log(experts) - math.log(top_k)
-    return {"share": share, "token_frac": share * top_k, "max_share": share.max(-1).values,
-            "imbalance": share.max(-1).values * experts,
-            "load_entropy": (h - math.log(top_k)) / span if span > 0 else torch.ones_like(h),
-            "entropy": ent_sum / tokens.clamp_min(1.0) / math.log(max(experts, 2)), "tokens": tokens}
-
-
 class MoERouter(DebugCallback):
+    """`MoERouter`: MoE router health -- collapse, dead experts, load imbalance, aux-loss trend.
+
+    Catches a router that sends (nearly) every token to the same expert(s), experts that receive no
+    token at all, persistent load imbalance, and a balance (aux) loss that keeps climbing. It taps
+    the routing the module already captures (``MoEBalance.observe``: the chosen top-k experts and the
+    router logits of every training forward, every MoE layer, DeepSeek V2/V3 and HF Mixtral /
+    Qwen-MoE / OLMoE routers), counts tokens per expert per layer on each rank, and closes a window
+    every ``window_steps`` optimizer steps (and at ``max_steps``): the window's
+    ``[layers x experts]`` counts, entropy sums and aux/CE sums are ONE all-reduce on every rank, so
+    every decision is global and the same on all ranks; rank 0 writes the findings (rank=None).
+    Windows starting before ``warmup_steps`` are logged, not judged (random-init routers are jumpy).
+    Works under ddp, ZeRO-1/2/3 (the hooks see the router's outputs; no parameter is read).
+
+    Router entropy is per token, from the router's logits (softmax; DeepSeek-V3: its sigmoid scores
+    normalised to sum 1), averaged over tokens, divided by log E: 1 = the router cannot decide, low =
+    confident (healthy routers grow confident; this is information, not a finding). Collapse is
+    judged on the LOAD: ``load_entropy`` = (H(load) - log k) / (log E - log k), 1 = uniform over the
+    E experts, 0 = every token on the same top-k experts.
+
+    Example::
+
+        python train.py +callbacks=moe_router callbacks.moe_router.window_steps=20 trainer=ddp_sim strategy=zero3
+
+    | metric key (at each window) | meaning |
+    |---|---|
+    | ``moe_router/entropy/L<i>`` | mean per-token router entropy / log E, decoder layer i |
+    | ``moe_router/load_entropy/L<i>`` | normalised entropy of the window's token load (1 uniform, 0 collapsed) |
+    | ``moe_router/max_share/L<i>`` | busiest expert's share of the layer's routed token-slots (uniform: 1/E) |
+    | ``moe_router/dead/L<i>`` | experts that got no token in the window (see ``dead_below``) |
+    | ``moe_router/aux_loss`` | window mean of ``train/aux_loss`` / its balanced value (1 = balanced) |
+
+    | finding code | severity | when (full windows after ``warmup_steps``) |
+    |---|---|---|
+    | ``router_collapse`` | error | an expert is chosen by >= ``collapse_tokens`` of a layer's tokens |
+    | ``router_collapse`` | warning | a layer's ``load_entropy`` < ``collapse_entropy`` |
+    | ``dead_experts`` | warning | experts with share <= ``dead_below`` x 1/E (0: no token at all), named per layer |
+    | ``load_imbalance`` | warning | max/mean load > ``imbalance_max`` for ``imbalance_windows`` windows in a row |
+    | ``aux_loss_rising`` | warning | window aux loss rose ``aux_windows`` times in a row, to > (1+``aux_rise``) x its minimum |
+    | ``router_summary`` | info | at the end: per-layer entropy, load entropy, max share, dead experts, token share matrix |
+    """
     name = "moe_router"
 
     def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,

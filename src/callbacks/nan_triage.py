@@ -1,41 +1,6 @@
 """`NaNTriage`: when a step goes non-finite, re-run it once from the same state: transient or reproducible?
 
-Megatron-LM's rerun idea: a NaN that does not come back when the same step is computed again from
-the same weights, batch and RNG state is not a function of data and model -- suspect the hardware
-(silent data corruption), a race or a non-deterministic kernel; one that comes back is the data or
-the model, and the rerun names the first module whose output went non-finite.
-
-How (every rank, every optimizer step, before the update):
-- ``on_train_batch_start`` keeps a reference to the batch and the RNG states (CPU, CUDA): cheap.
-- ``on_before_backward`` notes whether this rank's loss is non-finite (a tensor, no sync).
-- ``on_before_optimizer_step`` (at the accumulation boundary) checks this rank's gradients in one
-  fused pass (``check_grads``; under ZeRO its local partition, as grad_monitor reads it) and fuses
-  the per-rank loss flags and the gradient flag into ONE all-reduce of ``world_size + 1`` numbers.
-- On a non-finite step, with ``rerun: true`` and fewer than ``max_reruns`` reruns so far, EVERY rank
-  reruns together (the decision comes from the all-reduced flags; ZeRO-3's forward gathers
-  parameters, a collective): RNG restored to the batch start, forward through the LightningModule's
-  loss with forward hooks that record the first module whose output is non-finite, and -- when the
-  loss was finite but the gradients were not -- ``torch.autograd.grad`` w.r.t. the parameters, which
-  leaves ``.grad`` and DeepSpeed's buffers alone (not under ZeRO-3: its backward hooks would
-  reduce-scatter; there the rerun is forward only and a gradient-only NaN stays unlabelled). A second
-  all-reduce (only on this rare step) combines the ranks' verdicts. The RNG state is put back after.
-  The weights have not been updated yet, so the rerun sees exactly the step's state.
-- Rank 0 writes the finding; every rank applies ``on_error`` (warn | skip: drop this update | stop).
-
-Off unless added (``+callbacks=nan_triage``); with ``rerun: false`` it only reports ``nan_step``.
-
-Example::
-
-    python train.py +callbacks=nan_triage callbacks.nan_triage.on_error=skip strategy=zero3 trainer=ddp_sim
-
-| finding code | severity | when |
-|---|---|---|
-| ``nan_transient`` | error | a non-finite step whose rerun was finite on every rank (label ``transient``) |
-| ``nan_reproducible`` | error | non-finite again on rerun (label ``reproducible``); names rank, batch, first module |
-| ``nan_step`` | error | a non-finite step not rerun (``rerun: false``, ``max_reruns`` used up, or ZeRO-3 gradient-only) |
-| ``nan_summary`` | info | at the end: non-finite steps and their labels |
-
-It logs no metrics.
+The config example and the table of metrics and findings: the class docstring (`NaNTriage`).
 """
 
 from __future__ import annotations
@@ -77,6 +42,45 @@ def _finite(out: Any) -> bool:
 
 
 class NaNTriage(DebugCallback):
+    """`NaNTriage`: when a step goes non-finite, re-run it once from the same state: transient or reproducible?
+
+    Megatron-LM's rerun idea: a NaN that does not come back when the same step is computed again from
+    the same weights, batch and RNG state is not a function of data and model -- suspect the hardware
+    (silent data corruption), a race or a non-deterministic kernel; one that comes back is the data or
+    the model, and the rerun names the first module whose output went non-finite.
+
+    How (every rank, every optimizer step, before the update):
+    - ``on_train_batch_start`` keeps a reference to the batch and the RNG states (CPU, CUDA): cheap.
+    - ``on_before_backward`` notes whether this rank's loss is non-finite (a tensor, no sync).
+    - ``on_before_optimizer_step`` (at the accumulation boundary) checks this rank's gradients in one
+      fused pass (``check_grads``; under ZeRO its local partition, as grad_monitor reads it) and fuses
+      the per-rank loss flags and the gradient flag into ONE all-reduce of ``world_size + 1`` numbers.
+    - On a non-finite step, with ``rerun: true`` and fewer than ``max_reruns`` reruns so far, EVERY rank
+      reruns together (the decision comes from the all-reduced flags; ZeRO-3's forward gathers
+      parameters, a collective): RNG restored to the batch start, forward through the LightningModule's
+      loss with forward hooks that record the first module whose output is non-finite, and -- when the
+      loss was finite but the gradients were not -- ``torch.autograd.grad`` w.r.t. the parameters, which
+      leaves ``.grad`` and DeepSpeed's buffers alone (not under ZeRO-3: its backward hooks would
+      reduce-scatter; there the rerun is forward only and a gradient-only NaN stays unlabelled). A second
+      all-reduce (only on this rare step) combines the ranks' verdicts. The RNG state is put back after.
+      The weights have not been updated yet, so the rerun sees exactly the step's state.
+    - Rank 0 writes the finding; every rank applies ``on_error`` (warn | skip: drop this update | stop).
+
+    Off unless added (``+callbacks=nan_triage``); with ``rerun: false`` it only reports ``nan_step``.
+
+    Example::
+
+        python train.py +callbacks=nan_triage callbacks.nan_triage.on_error=skip strategy=zero3 trainer=ddp_sim
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``nan_transient`` | error | a non-finite step whose rerun was finite on every rank (label ``transient``) |
+    | ``nan_reproducible`` | error | non-finite again on rerun (label ``reproducible``); names rank, batch, first module |
+    | ``nan_step`` | error | a non-finite step not rerun (``rerun: false``, ``max_reruns`` used up, or ZeRO-3 gradient-only) |
+    | ``nan_summary`` | info | at the end: non-finite steps and their labels |
+
+    It logs no metrics.
+    """
     name = "nan_triage"
 
     def __init__(self, rerun: bool = True, max_reruns: int = 3, check_grads: bool = True,

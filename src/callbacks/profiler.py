@@ -1,54 +1,6 @@
 """`Profiler`: where does a training step's time go? torch.profiler over a window of steps.
 
-Catches: slow training with no obvious cause -- an input pipeline that starves the model
-(data wait dominates), a step dominated by communication, or a handful of ops eating the
-time. Over a window of steps (``wait`` -> ``warmup`` -> ``active``, ``repeat`` times) it runs
-``torch.profiler`` on every rank and:
-
-- prints the top-``top_n`` ops sorted by self device time (self CUDA time on GPU, self CPU
-  time otherwise) and saves the table (``profiler/top_ops_rank<r>.txt`` and ``.json``);
-- exports a Chrome/Perfetto trace per rank (``profiler/trace_rank<r>.json``; later cycles
-  ``trace_rank<r>_cycle<c>.json``), with ``dsdebug/forward|backward|optimizer|validation``
-  ranges so the phases are visible at a glance;
-- logs a step-time breakdown per window and reports where the time goes (info), and a
-  ``data_bound`` warning when data wait exceeds ``data_warn_fraction`` of the step.
-
-How the breakdown is measured (per active step, averaged over the window):
-- forward = ``on_train_batch_start`` -> ``on_before_backward``; backward = ->
-  ``on_after_backward``; optimizer = -> ``on_train_batch_end`` (clipping, optimizer step,
-  ZeRO's post-step gathers). Wall-clock, with ``torch.cuda.synchronize()`` at each boundary
-  on GPU (only inside the active window), so async kernels land in the right phase.
-- data = time inside ``DataLoader.__next__`` (PyTorch's own ``enumerate(DataLoader)#...``
-  profiler ranges) outside validation: what the loop waited for the input pipeline.
-- comm = wall time with a collective in flight: the union of the backend's own execution
-  intervals (NCCL kernels on the GPU, ``gloo:*`` ops on gloo's worker threads on CPU; the
-  main thread's ``c10d::*`` calls only enqueue async work and are the fallback). It OVERLAPS
-  the phases above (DDP reduces during backward), so it is not part of their sum; a large
-  comm time that does not hide behind backward shows up as a long backward/optimizer.
-- step = data + forward + backward + optimizer (validation, checkpoints and logging between
-  steps excluded).
-
-Rank awareness: every rank profiles itself and writes its own files; no collectives. Rank 0
-logs the metrics and the summary; a ``data_bound`` warning names the rank it happened on.
-After the last cycle the profiler is stopped: no further cost.
-
-Example::
-
-    python train.py +callbacks=profiler callbacks.profiler.wait=10 callbacks.profiler.active=5 \\
-        callbacks.profiler.with_stack=true
-
-| metric key | meaning |
-|---|---|
-| ``time/step_ms`` | data + forward + backward + optimizer, mean per step in the window |
-| ``time/data_ms`` | waiting for the train DataLoader |
-| ``time/forward_ms`` / ``time/backward_ms`` / ``time/optimizer_ms`` | the phases above |
-| ``time/comm_ms`` | inside collectives (overlaps the phases) |
-| ``time/data_fraction`` | data_ms / step_ms |
-
-| finding code | severity | meaning |
-|---|---|---|
-| ``step_breakdown`` | info | where the time goes, top op, trace path |
-| ``data_bound`` | warning | data wait > ``data_warn_fraction`` of the step: names the DataLoader |
+The config example and the table of metrics and findings: the class docstring (`Profiler`).
 """
 
 from __future__ import annotations
@@ -66,6 +18,8 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_fun
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 
+__all__ = ["Profiler"]
+
 log = logging.getLogger(__name__)
 _COMM_BACKEND = re.compile(r"^(gloo:|nccl)")  # gloo worker-thread ops; NCCL kernels (ncclDevKernel_*, ncclKernel_*)
 _DATA = "enumerate(DataLoader)"
@@ -73,6 +27,58 @@ _PHASES = ("forward", "backward", "optimizer")
 
 
 class Profiler(DebugCallback):
+    """`Profiler`: where does a training step's time go? torch.profiler over a window of steps.
+
+    Catches: slow training with no obvious cause -- an input pipeline that starves the model
+    (data wait dominates), a step dominated by communication, or a handful of ops eating the
+    time. Over a window of steps (``wait`` -> ``warmup`` -> ``active``, ``repeat`` times) it runs
+    ``torch.profiler`` on every rank and:
+
+    - prints the top-``top_n`` ops sorted by self device time (self CUDA time on GPU, self CPU
+      time otherwise) and saves the table (``profiler/top_ops_rank<r>.txt`` and ``.json``);
+    - exports a Chrome/Perfetto trace per rank (``profiler/trace_rank<r>.json``; later cycles
+      ``trace_rank<r>_cycle<c>.json``), with ``dsdebug/forward|backward|optimizer|validation``
+      ranges so the phases are visible at a glance;
+    - logs a step-time breakdown per window and reports where the time goes (info), and a
+      ``data_bound`` warning when data wait exceeds ``data_warn_fraction`` of the step.
+
+    How the breakdown is measured (per active step, averaged over the window):
+    - forward = ``on_train_batch_start`` -> ``on_before_backward``; backward = ->
+      ``on_after_backward``; optimizer = -> ``on_train_batch_end`` (clipping, optimizer step,
+      ZeRO's post-step gathers). Wall-clock, with ``torch.cuda.synchronize()`` at each boundary
+      on GPU (only inside the active window), so async kernels land in the right phase.
+    - data = time inside ``DataLoader.__next__`` (PyTorch's own ``enumerate(DataLoader)#...``
+      profiler ranges) outside validation: what the loop waited for the input pipeline.
+    - comm = wall time with a collective in flight: the union of the backend's own execution
+      intervals (NCCL kernels on the GPU, ``gloo:*`` ops on gloo's worker threads on CPU; the
+      main thread's ``c10d::*`` calls only enqueue async work and are the fallback). It OVERLAPS
+      the phases above (DDP reduces during backward), so it is not part of their sum; a large
+      comm time that does not hide behind backward shows up as a long backward/optimizer.
+    - step = data + forward + backward + optimizer (validation, checkpoints and logging between
+      steps excluded).
+
+    Rank awareness: every rank profiles itself and writes its own files; no collectives. Rank 0
+    logs the metrics and the summary; a ``data_bound`` warning names the rank it happened on.
+    After the last cycle the profiler is stopped: no further cost.
+
+    Example::
+
+        python train.py +callbacks=profiler callbacks.profiler.wait=10 callbacks.profiler.active=5 \\
+            callbacks.profiler.with_stack=true
+
+    | metric key | meaning |
+    |---|---|
+    | ``time/step_ms`` | data + forward + backward + optimizer, mean per step in the window |
+    | ``time/data_ms`` | waiting for the train DataLoader |
+    | ``time/forward_ms`` / ``time/backward_ms`` / ``time/optimizer_ms`` | the phases above |
+    | ``time/comm_ms`` | inside collectives (overlaps the phases) |
+    | ``time/data_fraction`` | data_ms / step_ms |
+
+    | finding code | severity | meaning |
+    |---|---|---|
+    | ``step_breakdown`` | info | where the time goes, top op, trace path |
+    | ``data_bound`` | warning | data wait > ``data_warn_fraction`` of the step: names the DataLoader |
+    """
     name = "profiler"
 
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 3, repeat: int = 1, top_n: int = 15,

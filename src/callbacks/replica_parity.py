@@ -1,60 +1,6 @@
 """`ReplicaParity`: data-parallel replicas still hold the same weights, optimizer scalars and config.
 
-Catches replicas that drifted apart silently (issue 14; NeMo's ``DdpParityChecker`` hashes the
-parameters of every data-parallel replica the same way): a bit flip in one rank's memory, a
-rank-local in-place write (``if rank == 1: w.add_(...)``, a forward that edits its weights, a
-checkpoint loaded on some ranks only), a frozen parameter or buffer that was never broadcast.
-DDP does not re-sync weights after wrapping, so such a difference stays and every rank trains
-another model while the loss still looks fine. A replay mismatch on one rank only
-(``reproducibility``) points here.
-
-How (every rank, at the same point: ``on_before_optimizer_step`` at the accumulation boundary of
-every ``every_n_steps``-th step, the first step of every fit (so also right after a resume), and
-at ``on_train_end``): each rank computes three numbers per tensor: the wrapping int32 sum of its raw bits,
-a position-weighted sum of its bits (both exact and order-independent: they detect any single
-bit flip and swapped elements, with no tolerance and no false alarm from summation order) and
-the sum of its values (only for the message). ONE ``all_gather`` of ``[n_entries x 3]``
-int64 follows; every rank compares the same table, so every rank reaches the same verdict (a
-``stop`` policy acts on all); rank 0 writes the finding. The reference is the largest group of
-equal ranks (rank 0's on a tie: with 2 ranks there is no majority, rank 0 is the reference).
-One process: nothing to compare, the hooks return at once.
-
-What is compared, per strategy:
-
-- DDP (and ZeRO-0): every parameter and buffer (``p.data``: full on every rank).
-- ZeRO-1/2: the same. The working (fp32/bf16) parameters are full on every rank after each
-  step's all-gather from the partitioned master weights (verified: equal bit for bit in a
-  healthy 2-process run). That all-gather also overwrites a corrupted copy, so a divergence
-  lasts one step: the finding says which step was computed with other weights, and
-  ``replicas_equal_again`` follows. Master weights and Adam moments are partitioned: one owner,
-  no replica, nothing to compare.
-- ZeRO-3: parameters are partitioned (``p.ds_tensor`` is this rank's slice: different by
-  design, no replica inside one data-parallel group unless hpZ/MiCS, which this check does not
-  cover). Compared: the persistent parameters (numel <= ``stage3_param_persistence_threshold``,
-  kept whole on every rank), buffers, and the scalars below. A corrupted partition is NOT
-  detectable here (it is the only copy).
-- Always: learning rate per param group, optimizer step count (DeepSpeed: the engine's
-  ``global_steps`` and ``skipped_steps``; torch: the first state's ``step``), loss scale, the
-  last global grad norm (DeepSpeed), and the hashes of the seed and the resolved config (the
-  ``consistency`` check's ``config_hash``, re-checked at every check, so after a resume too).
-
-Example::
-
-    python train.py +callbacks=replica_parity trainer=ddp_sim strategy=ddp \\
-        callbacks.replica_parity.every_n_steps=10 callbacks.replica_parity.on_error=stop
-
-| metric key (at each check) | meaning |
-|---|---|
-| ``parity/check_ms`` | wall time of the check on rank 0 (checksums + the all_gather) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``replica_divergence`` | error | a parameter differs across ranks: names the first rank that differs, the first parameter (module order), the step last equal |
-| ``optimizer_state_divergence`` | error | LR, optimizer step count, loss scale or last grad norm differs |
-| ``buffer_divergence`` | warning | a buffer differs (BatchNorm running stats differ per rank by design without SyncBatchNorm) |
-| ``config_hash_mismatch`` | warning | the resolved config or the seed differs (e.g. a resume with other overrides on some ranks) |
-| ``replicas_equal_again`` | info | a divergence is gone (ZeRO-1/2 re-gathers the weights every step) |
-| ``parity_summary`` | info | at the end: checks, what was compared, time per check, divergences |
+The config example and the table of metrics and findings: the class docstring (`ReplicaParity`).
 """
 
 from __future__ import annotations
@@ -67,15 +13,14 @@ from typing import Any, Callable
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name
+from dsdebug.callbacks._grad_access import _at_accumulation_boundary, display_name
 from dsdebug.errors import ConfigError
+from dsdebug.callbacks._replica_parity_checksums import _PRIME, _fp64, _scalar, checksums, divergent
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
 
 log = logging.getLogger(__name__)
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_PRIME = 65521  # position weights 1..65521: a swap of two elements changes the weighted sum
 # kind -> (finding code, severity, advice)
 _KINDS = {
     "param": ("replica_divergence", "error",
@@ -93,58 +38,65 @@ _KINDS = {
 }
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    bits = flat.view(_INT[flat.element_size()]) if flat.is_floating_point() else flat.to(torch.int64)
-    return bits.to(torch.int32) if bits.element_size() < 4 else bits
-
-
-def checksums(tensors: list[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``[len(tensors) x 3]`` int64: bit sum, position-weighted bit sum (both exact: integer sums
-    wrap, so the order of summation cannot change them), value sum (for messages, as fp64 bits)."""
-    out = torch.zeros(len(tensors), 3, dtype=torch.int64)
-    longest = max((t.numel() for t in tensors), default=0)
-    if weights is None or weights.numel() < longest:
-        weights = torch.arange(longest, dtype=torch.int32) % _PRIME + 1
-    with torch.no_grad():
-        for i, t in enumerate(tensors):
-            bits = _bits(t)
-            w = weights[: bits.numel()]
-            acc = bits.dtype  # int32 sums wrap mod 2^32: exact, order-free, ~20x faster than an int64 sum
-            out[i, 0] = bits.sum(dtype=acc)
-            out[i, 1] = (bits * w).sum(dtype=acc)
-            value = t.detach().sum() if t.is_floating_point() else t.detach().double().sum()  # message only
-            out[i, 2] = value.double().reshape(1).view(torch.int64)[0]
-    return out
-
-
-def divergent(gathered: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
-    """``[(entry, reference ranks, outlier ranks)]`` for each entry whose exact checksums differ
-    across ranks. ``gathered``: ``[world x n x 3]``. Reference = largest group (rank 0's on a tie)."""
-    out = []
-    exact = gathered[:, :, :2]
-    differs = (exact != exact[:1]).any(dim=2).any(dim=0)
-    for i in differs.nonzero().flatten().tolist():
-        groups: dict[tuple, list[int]] = {}
-        for r, key in enumerate(map(tuple, exact[:, i].tolist())):
-            groups.setdefault(key, []).append(r)
-        ref = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
-        out.append((i, ref, [r for r in range(gathered.shape[0]) if r not in ref]))
-    return out
-
-
-def _fp64(packed: int) -> float:
-    return torch.tensor([packed], dtype=torch.int64).view(torch.float64).item()
-
-
-def _scalar(value: Any) -> torch.Tensor:
-    v = float(value) if value is not None else float("nan")
-    return torch.tensor([v], dtype=torch.float64)
-
-
 class ReplicaParity(DebugCallback):
+    """`ReplicaParity`: data-parallel replicas still hold the same weights, optimizer scalars and config.
+
+    Catches replicas that drifted apart silently (issue 14; NeMo's ``DdpParityChecker`` hashes the
+    parameters of every data-parallel replica the same way): a bit flip in one rank's memory, a
+    rank-local in-place write (``if rank == 1: w.add_(...)``, a forward that edits its weights, a
+    checkpoint loaded on some ranks only), a frozen parameter or buffer that was never broadcast.
+    DDP does not re-sync weights after wrapping, so such a difference stays and every rank trains
+    another model while the loss still looks fine. A replay mismatch on one rank only
+    (``reproducibility``) points here.
+
+    How (every rank, at the same point: ``on_before_optimizer_step`` at the accumulation boundary of
+    every ``every_n_steps``-th step, the first step of every fit (so also right after a resume), and
+    at ``on_train_end``): each rank computes three numbers per tensor: the wrapping int32 sum of its raw bits,
+    a position-weighted sum of its bits (both exact and order-independent: they detect any single
+    bit flip and swapped elements, with no tolerance and no false alarm from summation order) and
+    the sum of its values (only for the message). ONE ``all_gather`` of ``[n_entries x 3]``
+    int64 follows; every rank compares the same table, so every rank reaches the same verdict (a
+    ``stop`` policy acts on all); rank 0 writes the finding. The reference is the largest group of
+    equal ranks (rank 0's on a tie: with 2 ranks there is no majority, rank 0 is the reference).
+    One process: nothing to compare, the hooks return at once.
+
+    What is compared, per strategy:
+
+    - DDP (and ZeRO-0): every parameter and buffer (``p.data``: full on every rank).
+    - ZeRO-1/2: the same. The working (fp32/bf16) parameters are full on every rank after each
+      step's all-gather from the partitioned master weights (verified: equal bit for bit in a
+      healthy 2-process run). That all-gather also overwrites a corrupted copy, so a divergence
+      lasts one step: the finding says which step was computed with other weights, and
+      ``replicas_equal_again`` follows. Master weights and Adam moments are partitioned: one owner,
+      no replica, nothing to compare.
+    - ZeRO-3: parameters are partitioned (``p.ds_tensor`` is this rank's slice: different by
+      design, no replica inside one data-parallel group unless hpZ/MiCS, which this check does not
+      cover). Compared: the persistent parameters (numel <= ``stage3_param_persistence_threshold``,
+      kept whole on every rank), buffers, and the scalars below. A corrupted partition is NOT
+      detectable here (it is the only copy).
+    - Always: learning rate per param group, optimizer step count (DeepSpeed: the engine's
+      ``global_steps`` and ``skipped_steps``; torch: the first state's ``step``), loss scale, the
+      last global grad norm (DeepSpeed), and the hashes of the seed and the resolved config (the
+      ``consistency`` check's ``config_hash``, re-checked at every check, so after a resume too).
+
+    Example::
+
+        python train.py +callbacks=replica_parity trainer=ddp_sim strategy=ddp \\
+            callbacks.replica_parity.every_n_steps=10 callbacks.replica_parity.on_error=stop
+
+    | metric key (at each check) | meaning |
+    |---|---|
+    | ``parity/check_ms`` | wall time of the check on rank 0 (checksums + the all_gather) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``replica_divergence`` | error | a parameter differs across ranks: names the first rank that differs, the first parameter (module order), the step last equal |
+    | ``optimizer_state_divergence`` | error | LR, optimizer step count, loss scale or last grad norm differs |
+    | ``buffer_divergence`` | warning | a buffer differs (BatchNorm running stats differ per rank by design without SyncBatchNorm) |
+    | ``config_hash_mismatch`` | warning | the resolved config or the seed differs (e.g. a resume with other overrides on some ranks) |
+    | ``replicas_equal_again`` | info | a divergence is gone (ZeRO-1/2 re-gathers the weights every step) |
+    | ``parity_summary`` | info | at the end: checks, what was compared, time per check, divergences |
+    """
     name = "replica_parity"
 
     def __init__(self, every_n_steps: int = 50, buffers: bool = True, max_findings_per_code: int = 5,

@@ -1,70 +1,26 @@
 """`Reproducibility`: fix every source of randomness, record it, and prove the step replays.
 
-Catches: runs that cannot be reproduced although "the seed is set" -- an op or module that is
-nondeterministic in a way seeding cannot fix (noise from a fresh ``torch.Generator`` seeded
-from the clock, atomics in CUDA kernels, uninitialised memory), PyTorch ops without a
-deterministic implementation, and a Python hash seed that was fixed too late to matter.
-
-What it does (every rank builds this callback: child ranks re-run ``train.py``):
-
-- ``__init__`` (before the Trainer and before child ranks start, so children inherit it):
-  sets ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` (before the first cuBLAS call),
-  seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
-  point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
-  ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
-  spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
-  export it in the shell to fix rank 0 too).
-- ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
-  ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
-  ``Trainer(deterministic=False)`` resets it when the Trainer is built.
-- ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
-  a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
-  and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
-- Replay self-check, the first ``replay_steps`` training batches, EVERY rank (a ZeRO-3 or DDP
-  forward is collective, so every rank replays the same batches): snapshot the RNG states
-  and module buffers, run the training step's forward once more through the strategy (same
-  precision context, same wrapper) with forward hooks fingerprinting every module output,
-  restore RNG and buffers, then let the real forward run under the same hooks. The first
-  module (in completion order, so the innermost culprit) whose output differs is reported.
-  The extra forward builds no optimizer state and runs no backward; the real step sees the
-  same RNG state, weights and buffers as without the callback (a test compares loss curves).
-- PyTorch's own "does not have a deterministic implementation" warnings (``warn_only=true``)
-  become findings naming the op and the code line that called it.
-
-Example::
-
-    python train.py +callbacks=reproducibility callbacks.reproducibility.replay_steps=3 \\
-        callbacks.reproducibility.warn_only=false
-
-| finding code | severity | meaning |
-|---|---|---|
-| ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
-| ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
-| ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
-| ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
-| ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
-
-Metrics: none.
+The config example and the table of metrics and findings: the class docstring (`Reproducibility`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import platform
-import random
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
+from dsdebug.callbacks._reproducibility_replay import (  # noqa: F401 (_only: re-exported for tests)
+    _only, _tensors, first_difference, ranks_differing, rng_state, seed_record, set_rng_state)
+
+__all__ = ["Reproducibility"]
 
 log = logging.getLogger(__name__)
 CUBLAS_CONFIGS = (":4096:8", ":16:8")
@@ -78,45 +34,55 @@ def _invalid(key: str, value: Any, valid: str) -> ConfigError:
     return ConfigError(f"callbacks.reproducibility.{key}={value!r} is invalid; valid: {valid}")
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _digest(state: dict[str, Any]) -> dict[str, str]:
-    """Short sha1 per RNG state: equal digests = equal states (compare ranks and runs)."""
-    raw = {
-        "python": repr(state["python"]).encode(),
-        "numpy": state["numpy"][1].tobytes() + repr(state["numpy"][2:]).encode(),
-        "torch_cpu": state["torch_cpu"].numpy().tobytes(),
-    }
-    if "cuda" in state:
-        raw["cuda"] = b"".join(t.cpu().numpy().tobytes() for t in state["cuda"])
-    return {k: hashlib.sha1(v).hexdigest()[:16] for k, v in raw.items()}
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    """Tensors of a module output in a fixed order (tensor, tuple/list, dict, HF ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _tensors(v)]
-    return []
-
-
 class Reproducibility(DebugCallback):
+    """`Reproducibility`: fix every source of randomness, record it, and prove the step replays.
+
+    Catches: runs that cannot be reproduced although "the seed is set" -- an op or module that is
+    nondeterministic in a way seeding cannot fix (noise from a fresh ``torch.Generator`` seeded
+    from the clock, atomics in CUDA kernels, uninitialised memory), PyTorch ops without a
+    deterministic implementation, and a Python hash seed that was fixed too late to matter.
+
+    What it does (every rank builds this callback: child ranks re-run ``train.py``):
+
+    - ``__init__`` (before the Trainer and before child ranks start, so children inherit it):
+      sets ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` (before the first cuBLAS call),
+      seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
+      point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
+      ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
+      spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
+      export it in the shell to fix rank 0 too).
+    - ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
+      ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
+      ``Trainer(deterministic=False)`` resets it when the Trainer is built.
+    - ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
+      a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
+      and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
+    - Replay self-check, the first ``replay_steps`` training batches, EVERY rank (a ZeRO-3 or DDP
+      forward is collective, so every rank replays the same batches): snapshot the RNG states
+      and module buffers, run the training step's forward once more through the strategy (same
+      precision context, same wrapper) with forward hooks fingerprinting every module output,
+      restore RNG and buffers, then let the real forward run under the same hooks. The first
+      module (in completion order, so the innermost culprit) whose output differs is reported.
+      The extra forward builds no optimizer state and runs no backward; the real step sees the
+      same RNG state, weights and buffers as without the callback (a test compares loss curves).
+    - PyTorch's own "does not have a deterministic implementation" warnings (``warn_only=true``)
+      become findings naming the op and the code line that called it.
+
+    Example::
+
+        python train.py +callbacks=reproducibility callbacks.reproducibility.replay_steps=3 \\
+            callbacks.reproducibility.warn_only=false
+
+    | finding code | severity | meaning |
+    |---|---|---|
+    | ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
+    | ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
+    | ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
+    | ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
+    | ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
+
+    Metrics: none.
+    """
     name = "reproducibility"
 
     def __init__(self, seed: int | None = None, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
@@ -228,22 +194,7 @@ class Reproducibility(DebugCallback):
         out.mkdir(parents=True, exist_ok=True)
         state = rng_state()
         torch.save(state, out / f"rng_state_rank{rank}.pt")
-        record = {
-            "rank": rank, "world_size": trainer.world_size, "seed": self.seed,
-            "PL_GLOBAL_SEED": os.environ.get("PL_GLOBAL_SEED"), "PL_SEED_WORKERS": os.environ.get("PL_SEED_WORKERS"),
-            "seeded_by": "reproducibility" if self._seeded_here else "seed_everything in the entry point",
-            "env": {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")},
-            "process_hash_seed": self._hash_seed_at_start,
-            "flags": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                      "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-                      "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-                      "cudnn_deterministic": torch.backends.cudnn.deterministic,
-                      "cudnn_benchmark": torch.backends.cudnn.benchmark},
-            "versions": {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
-                         "cuda": torch.version.cuda},
-            "rng_digest": _digest(state),
-            "rng_state_file": f"rng_state_rank{rank}.pt",
-        }
+        record = seed_record(trainer, self.seed, self._seeded_here, self._hash_seed_at_start, state)
         (out / f"rank{rank}.json").write_text(json.dumps(record, indent=2, default=str))
         if rank == 0:
             self.report(trainer, "info", "seeded",
@@ -354,8 +305,8 @@ class Reproducibility(DebugCallback):
 
     def _compare(self, trainer: Any, replay: list, real: list, step: int) -> None:
         self._compared += 1
-        found = self._first_difference(replay, real)
-        ranks = self._ranks_differing(trainer, found is not None)  # COLLECTIVE: every rank replays the same steps
+        found = first_difference(replay, real)
+        ranks = ranks_differing(trainer, found is not None)  # COLLECTIVE: every rank replays the same steps
         self._some_rank_diverged = self._some_rank_diverged or bool(ranks)
         if found is not None and not self._diverged:  # the first divergence names the culprit; once per rank
             self._diverged = True
@@ -364,33 +315,6 @@ class Reproducibility(DebugCallback):
             self.report(trainer, "info", "replay_ok",
                         f"replayed the first {self.replay_steps} step(s) on every rank; on rank 0 all {len(real)} "
                         "module outputs per step matched bit for bit (a rank that diverged reports it)", rank=None)
-
-    @staticmethod
-    def _first_difference(replay: list, real: list) -> tuple | None:
-        """(record, call index, max abs diff or None, how) of the first differing module call."""
-        same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
-        for i, (a, b) in enumerate(zip(replay, real)):
-            if a[0] != b[0] or len(a[1]) != len(b[1]):
-                return b, i, None, f"the module call order changed (replay called `{a[0]}`)"
-            for (shape_a, sum_a, s_a), (shape_b, sum_b, s_b) in zip(a[1], b[1]):
-                if shape_a != shape_b:
-                    return b, i, None, f"output shape {shape_a} vs {shape_b}"
-                if not (same(s_a, s_b) and same(sum_a, sum_b)):
-                    diff = float((s_a - s_b).abs().nan_to_num(float("inf")).max()) if s_a.numel() else 0.0
-                    return b, i, diff, f"output sum differs by {float(sum_a - sum_b):.3g}"
-        if len(replay) != len(real):
-            i = min(len(replay), len(real))
-            rec = (real or replay)[min(i, len(real or replay) - 1)]
-            return rec, i, None, f"{len(replay)} module calls in the replay vs {len(real)} in the real step"
-        return None
-
-    @staticmethod
-    def _ranks_differing(trainer: Any, differs: bool) -> list[int]:
-        """The ranks whose replay differed at this step (one tiny all_gather when world > 1)."""
-        if trainer.world_size <= 1:
-            return [trainer.global_rank] if differs else []
-        flag = torch.tensor([1 if differs else 0], device=trainer.strategy.root_device)
-        return [r for r, v in enumerate(trainer.strategy.all_gather(flag).reshape(-1).tolist()) if v]
 
     def _diverge(self, trainer: Any, step: int, rec: tuple, index: int, diff: float | None, how: str,
                  total: int, ranks: list[int] | None = None) -> None:
@@ -405,9 +329,3 @@ class Reproducibility(DebugCallback):
                              "max_abs_diff_sampled": diff, "how": how, "ranks_differing": ranks})
 
 
-def _only(trainer: Any, ranks: list[int] | None) -> str:
-    """A replay that differs on some ranks only is rank-local state, not an op: point at replica_parity."""
-    if not ranks or trainer is None or len(ranks) >= trainer.world_size:
-        return ""
-    who = f"only rank {ranks[0]} differs" if len(ranks) == 1 else f"only ranks {ranks} differ"
-    return f"; {who}: run +callbacks=replica_parity (replicas may have drifted)"

@@ -1,54 +1,6 @@
 """`Throughput`: tokens/s, samples/s, step time, MFU, and why a run is slower than it should be.
 
-Catches (seed 002 "性能瓶颈分析": GPU utilisation >= 85%, gradient sync < 20% of forward time):
-an input pipeline that starves the model (``input_bound``), gradient synchronisation heavier
-than the forward pass (``comm_heavy``), an idle GPU (``low_gpu_util``), and a run that became
-slower than it was (``throughput_drop``: a throttled or shared node, swapping, a slow disk).
-
-How it measures, per step, with ``time.perf_counter`` only (no device sync, no collective):
-- step time = previous ``on_train_batch_end`` -> this one (data loading and every hook
-  included; validation and checkpoint saves left out);
-- data wait = previous batch end -> this ``on_train_batch_start``: fetching the next batch
-  (Lightning prefetches one batch ahead, so the fetch happens in this gap) plus logging;
-- tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
-- MFU = tokens/s x training FLOPs per token (``dsdebug.models.flops``: 6 x active params +
-  attention) / peak: on GPU the dense bf16 spec number by device name
-  (``dsdebug.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
-  (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
-- comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
-  (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
-  only when ``comm_debug`` runs with ``measure_comm: true`` (or its hang watchdog); without it
-  ``comm_heavy`` is not judged. Forward time = batch start -> ``on_before_backward``.
-- GPU utilisation: ``torch.cuda.utilization()`` (needs pynvml) every ``util_every_n_steps``;
-  on CPU ``low_gpu_util`` is skipped and the summary says so.
-On GPU, host-side timings of queued kernels settle over a window (the loop syncs on the loss
-and the optimizer step); phase times (forward) are host-side and only a guide there.
-
-Rank awareness: every rank judges its own clock and reports its own findings (local info, no
-collective); rank 0 logs the metrics. A straggler slows every rank (they wait for it in the
-gradient sync): ``log_sync`` names which rank it is.
-
-Example::
-
-    python train.py +callbacks=[throughput,comm_debug] callbacks.comm_debug.measure_comm=true \\
-        callbacks.throughput.data_wait_threshold=0.2
-
-| metric key (every ``trainer.log_every_n_steps``, rank 0) | meaning |
-|---|---|
-| ``throughput/tokens_per_s`` / ``throughput/samples_per_s`` | this rank, over the last step |
-| ``throughput/step_ms`` | wall time of the last step |
-| ``throughput/mfu`` | model FLOPs utilisation of this rank's device |
-| ``throughput/data_wait_share`` | share of the step spent waiting for the next batch |
-| ``throughput/comm_forward_ratio`` | gradient-sync seconds / forward seconds (with comm_debug) |
-| ``throughput/gpu_util`` | GPU utilisation in [0, 1] (GPU with pynvml) |
-
-| finding code | severity | when |
-|---|---|---|
-| ``input_bound`` | warning | median data-wait share over ``window`` steps > ``data_wait_threshold`` |
-| ``comm_heavy`` | warning | median sync/forward over ``window`` steps > ``comm_forward_ratio`` (needs comm measurement) |
-| ``low_gpu_util`` | warning | mean GPU utilisation over ``window`` samples < ``gpu_util_threshold`` (GPU only) |
-| ``throughput_drop`` | warning | ``drop_patience`` steps in a row slower than ``drop_factor`` x the median step |
-| ``throughput_summary`` | info | at the end: median tokens/s, step ms, MFU, data-wait share, peak used |
+The config example and the table of metrics and findings: the class docstring (`Throughput`).
 """
 
 from __future__ import annotations
@@ -65,12 +17,68 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
+from dsdebug.callbacks._grad_access import _num
+from dsdebug.callbacks._throughput_batch import _batch_size, _describe_loader, _seq_len  # noqa: F401 (tests)
+
+__all__ = ["Throughput"]
 
 log = logging.getLogger(__name__)
 _CPU_PEAK: float | None = None  # measured once per process
 
 
 class Throughput(DebugCallback):
+    """`Throughput`: tokens/s, samples/s, step time, MFU, and why a run is slower than it should be.
+
+    Catches (seed 002 "性能瓶颈分析": GPU utilisation >= 85%, gradient sync < 20% of forward time):
+    an input pipeline that starves the model (``input_bound``), gradient synchronisation heavier
+    than the forward pass (``comm_heavy``), an idle GPU (``low_gpu_util``), and a run that became
+    slower than it was (``throughput_drop``: a throttled or shared node, swapping, a slow disk).
+
+    How it measures, per step, with ``time.perf_counter`` only (no device sync, no collective):
+    - step time = previous ``on_train_batch_end`` -> this one (data loading and every hook
+      included; validation and checkpoint saves left out);
+    - data wait = previous batch end -> this ``on_train_batch_start``: fetching the next batch
+      (Lightning prefetches one batch ahead, so the fetch happens in this gap) plus logging;
+    - tokens = ``input_ids.numel()`` (padding included), samples = its first dimension;
+    - MFU = tokens/s x training FLOPs per token (``dsdebug.models.flops``: 6 x active params +
+      attention) / peak: on GPU the dense bf16 spec number by device name
+      (``dsdebug.models.flops.GPU_PEAK_TFLOPS``), on CPU the fastest fp32 ``torch.mm`` of a 0.3 s burst at setup
+      (cached per process; a shared core only slows a matmul, so the fastest is the peak); ``peak_tflops`` overrides both;
+    - comm: the seconds with a collective in flight between ``on_before_backward`` and the batch end
+      (the gradient sync and ZeRO's gathers), read from comm_debug's ``CommTracker``. It exists
+      only when ``comm_debug`` runs with ``measure_comm: true`` (or its hang watchdog); without it
+      ``comm_heavy`` is not judged. Forward time = batch start -> ``on_before_backward``.
+    - GPU utilisation: ``torch.cuda.utilization()`` (needs pynvml) every ``util_every_n_steps``;
+      on CPU ``low_gpu_util`` is skipped and the summary says so.
+    On GPU, host-side timings of queued kernels settle over a window (the loop syncs on the loss
+    and the optimizer step); phase times (forward) are host-side and only a guide there.
+
+    Rank awareness: every rank judges its own clock and reports its own findings (local info, no
+    collective); rank 0 logs the metrics. A straggler slows every rank (they wait for it in the
+    gradient sync): ``log_sync`` names which rank it is.
+
+    Example::
+
+        python train.py +callbacks=[throughput,comm_debug] callbacks.comm_debug.measure_comm=true \\
+            callbacks.throughput.data_wait_threshold=0.2
+
+    | metric key (every ``trainer.log_every_n_steps``, rank 0) | meaning |
+    |---|---|
+    | ``throughput/tokens_per_s`` / ``throughput/samples_per_s`` | this rank, over the last step |
+    | ``throughput/step_ms`` | wall time of the last step |
+    | ``throughput/mfu`` | model FLOPs utilisation of this rank's device |
+    | ``throughput/data_wait_share`` | share of the step spent waiting for the next batch |
+    | ``throughput/comm_forward_ratio`` | gradient-sync seconds / forward seconds (with comm_debug) |
+    | ``throughput/gpu_util`` | GPU utilisation in [0, 1] (GPU with pynvml) |
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``input_bound`` | warning | median data-wait share over ``window`` steps > ``data_wait_threshold`` |
+    | ``comm_heavy`` | warning | median sync/forward over ``window`` steps > ``comm_forward_ratio`` (needs comm measurement) |
+    | ``low_gpu_util`` | warning | mean GPU utilisation over ``window`` samples < ``gpu_util_threshold`` (GPU only) |
+    | ``throughput_drop`` | warning | ``drop_patience`` steps in a row slower than ``drop_factor`` x the median step |
+    | ``throughput_summary`` | info | at the end: median tokens/s, step ms, MFU, data-wait share, peak used |
+    """
     name = "throughput"
 
     def __init__(self, warmup_steps: int = 10, window: int = 20, data_wait_threshold: float = 0.3,
@@ -287,29 +295,5 @@ class Throughput(DebugCallback):
                              "flops_per_token": self._fpt, "counts": dict(self._counts)}, rank=None)
 
 
-def _batch_size(batch: Any) -> tuple[int, int]:
-    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    return (int(t.numel()), int(t.shape[0])) if isinstance(t, torch.Tensor) and t.dim() else (0, 0)
-
-
-def _seq_len(batch: Any) -> int:
-    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    return int(t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() else 0
-
-
-def _describe_loader(trainer: Any) -> str:
-    loader = trainer.train_dataloader
-    while isinstance(loader, (list, tuple, dict)) and loader:
-        loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
-    collate = getattr(loader, "collate_fn", None)
-    return (f"data.num_workers={getattr(loader, 'num_workers', '?')}, data.pin_memory="
-            f"{getattr(loader, 'pin_memory', '?')}, data.batch_size={getattr(loader, 'batch_size', '?')}, "
-            f"collate_fn={getattr(collate, '__name__', type(collate).__name__)}")
-
-
 def _int(v: Any, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -35,50 +35,15 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from dsdebug.dist._liveness_state import _describe, _report, state
+
+__all__ = ["LivenessCallback", "state", "watch_children", "watch_parent", "dead_rank_message", "parent_gone_message",
+           "peer_dead_message", "reap_children", "ending_on_purpose", "ignore_sigterm_from_now", "ENV_PARENT"]
+
 log = logging.getLogger(__name__)
 
 ENV_PARENT = "DSDEBUG_LAUNCHER_PID"
 POLL_S = 0.5
-
-
-class _State:
-    step: int | None = None  # last optimizer step, for the finding
-    start_step: int = 0  # the step fit started from (after a resume), for throughput
-    procs: list[tuple[int, subprocess.Popen]] = []
-    dead: dict[int, int] = {}  # rank -> returncode, as seen by rank 0
-    finishing = False  # rank 0 is done with fit: children exiting now is expected
-    parent_reported = False  # a child rank reported its parent's death
-    failing = False  # this rank is handling an exception: a SIGTERM now is held (_guard_sigterm)
-    heartbeat: Any = None  # heartbeat.Heartbeat, in multi-rank fits
-    reported: set[int] = set()  # ranks whose death this process reported
-
-
-state = _State()
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        name = signal.Signals(-returncode).name
-        hint = " (often the kernel OOM killer: check `dmesg` / `journalctl -k`)" if name == "SIGKILL" else ""
-        return f"killed by {name}{hint}"
-    return f"exited with code {returncode}"
-
-
-def _report(rank: int, message: str, details: dict[str, Any]) -> None:
-    from dsdebug.findings import Finding, get_channel
-
-    if rank in state.reported:
-        return
-    state.reported.add(rank)
-    host = details.get("host") or "its host"
-    get_channel().report(Finding(
-        check="liveness", severity="error", code="rank_died", rank=rank, step=state.step,
-        message=message,
-        advice="the other ranks were stopped instead of waiting for the collective timeout; read "
-               f"rank {rank}'s log (its last lines) and the kernel log on {host} (`dmesg`, `journalctl -k`: "
-               "the OOM killer); resume with resume=latest",
-        details=details,
-    ))
 
 
 def _child_message(rank: int, pid: int, returncode: int) -> str:

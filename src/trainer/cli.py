@@ -105,7 +105,7 @@ def _dead_rank(exc: BaseException) -> str | None:
     parent (our launcher); under any launcher the store's heartbeats name the dead rank and its
     host. If so, that is the story, not our traceback."""
     if "dsdebug.dist.liveness" not in sys.modules:
-        return None  # no rank was launched yet (e.g. a bad config caught by validate_config)
+        return None  # no rank was launched yet (e.g. a bad config caught by prepare)
     from dsdebug.dist.liveness import dead_rank_message, parent_gone_message, peer_dead_message
 
     local = dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
@@ -182,13 +182,13 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         from dsdebug.dist.sweep import run_job_in_subprocess
 
         return run_job_in_subprocess(cfg, script)
-    from dsdebug.config.validate import validate_config
+    from dsdebug.config.prepare import prepare
 
     from dsdebug.dist.console import filter_known_warnings, quiet_console
 
     filter_known_warnings()
     try:
-        validate_config(cfg)  # before the heavy imports: bad input fails in ~1 s
+        prepare(cfg)  # validates first, before the heavy imports: bad input fails in ~1 s
         from dsdebug.trainer.entry import train
 
         quiet_console()  # after importing lightning: its import may add a console handler of its own

@@ -1,4 +1,5 @@
-"""`train(cfg)`: compose -> instantiate -> fit -> export -> report, for one run.
+"""`train(cfg)`: build -> fit -> export -> report, for one run (the config comes prepared:
+src/config/prepare.py, whose docstring draws the whole way from the command line to fit).
 
 Rank awareness: everything before ``trainer.fit`` runs in the launching process (rank 0),
 and again in each child rank, which Lightning starts inside ``fit``. ``rank_zero_only.rank``
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import hydra
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from dsdebug.callbacks import is_debug_check
 from dsdebug.errors import ConfigError, StoppedByCheck
@@ -28,9 +28,8 @@ from dsdebug.findings.sinks import attach_dashboards
 from dsdebug.checkpoint.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
 from dsdebug.report.finish import finish_run
 from dsdebug.report.history import HistoryLogger
-from dsdebug.config.ds_config import apply_ds_json_to_cfg
 from dsdebug.checkpoint.final_step import FinalStep
-from dsdebug.config.global_batch import apply_global_batch_size, world_size
+from dsdebug.config.global_batch import world_size
 from dsdebug.dist.liveness import LivenessCallback, watch_parent
 from dsdebug.dist.liveness import state as liveness_state
 from dsdebug.checkpoint.preemption import PreemptionCheckpoint
@@ -38,25 +37,11 @@ from dsdebug.dist.rank_files import RankFiles
 from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
 from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers
-from dsdebug.models.optim import scaled_lr
 from dsdebug.findings.secrets import redact
-from dsdebug.config.tokenizer_check import check_fits_model, settle_tokenizer, settle_vocab_size
-from dsdebug.config.validate import fp16_supported, validate_config
+from dsdebug.config.tokenizer_check import check_fits_model, settle_vocab_size
+from dsdebug.config.prepare import is_prepared
 
 log = logging.getLogger(__name__)
-
-
-def prepare_config(cfg: DictConfig) -> None:
-    """Validate, then settle the values derived from others (tokenizer, ds_config.json, LR scaling)."""
-    validate_config(cfg)
-    settle_tokenizer(cfg)  # data.tokenizer (the model's own, or a fresh BPE) and data.vocab_size
-    if str(cfg.trainer.accelerator) == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    with open_dict(cfg):
-        apply_global_batch_size(cfg)  # data.global_batch_size -> per-rank data.batch_size
-        apply_ds_json_to_cfg(cfg, fp16_supported(str(cfg.trainer.accelerator)))
-        global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size(cfg)
-        cfg.optim.optimizer.lr = scaled_lr(float(cfg.optim.lr), global_batch, cfg.optim.get("scale_lr_base_batch_size"))
 
 
 def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
@@ -121,9 +106,12 @@ def _check_vocab(module: Any, datamodule: Any, pretrained_net: bool) -> None:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
+    """build -> fit -> export -> report for a config that ``dsdebug.config.prepare.prepare`` has
+    validated and completed (trainer/cli.py run calls it first; so does tests' train_in_process)."""
     started = time.time()
+    if not is_prepared(cfg):
+        raise RuntimeError("train(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
-    prepare_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s
