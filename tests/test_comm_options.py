@@ -88,7 +88,10 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("hook, bytes_per_param", [("none", 4), ("fp16", 2)])
+POWERSGD = {"powersgd_rank": 1, "powersgd_warm_start": True, "powersgd_start_iter": 2}
+
+
+@pytest.mark.parametrize("hook, bytes_per_param", [("none", 4), ("fp16", 2), ("powersgd", None)])
 def test_bucket_bytes_are_counted_from_the_registered_hook(one_rank_group, hook, bytes_per_param):
     """The real torch hook on a DDP model: the tracker sees the bucket's all_reduce and its bytes."""
     from torch.nn.parallel import DistributedDataParallel
@@ -99,17 +102,20 @@ def test_bucket_bytes_are_counted_from_the_registered_hook(one_rank_group, hook,
     n_params = sum(p.numel() for p in model.parameters())
     tracker = CommTracker.acquire()
     try:
-        state, fn = build_ddp_hook(hook, {}, None, on_cuda=False)
+        state, fn = build_ddp_hook(hook, POWERSGD, None, on_cuda=False)
         if fn is None:  # plain DDP: comm_debug's timed fp32 allreduce hook
             state, fn = (tracker, model.process_group), _timed_allreduce_hook
         model.register_comm_hook(state, fn)
-        for _ in range(2):
+        for _ in range(4):  # PowerSGD compresses from its 3rd step (powersgd_start_iter=2)
             before = dict(tracker.bytes)
             model(torch.randn(4, 16)).sum().backward()
             sent = tracker.bytes["all_reduce"] - before.get("all_reduce", 0)
     finally:
         tracker.release()
-    assert sent == bytes_per_param * n_params
+    if bytes_per_param is not None:
+        assert sent == bytes_per_param * n_params
+    else:  # rank-1 factors P, Q of both weight matrices + the biases uncompressed, fp32
+        assert sent == 4 * ((32 + 16) + (8 + 32) + (32 + 8)), (sent, 4 * n_params)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 

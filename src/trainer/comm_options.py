@@ -62,7 +62,30 @@ def build_ddp_hook(comm_hook: str, powersgd: dict[str, Any], process_group: Any,
         process_group=process_group, matrix_approximation_rank=powersgd["powersgd_rank"],
         start_powerSGD_iter=powersgd["powersgd_start_iter"], warm_start=bool(powersgd["powersgd_warm_start"]),
         use_error_feedback=True)
-    return state, powerSGD_hook.powerSGD_hook
+    if on_cuda:
+        return state, powerSGD_hook.powerSGD_hook
+    return InOrder(state), _powersgd_in_order
+
+
+class InOrder:
+    """PowerSGD's state plus the previous bucket's future. PowerSGD launches a bucket's second
+    all_reduce (Q) from the first one's completion callback, on gloo's thread, while the next
+    bucket's hook launches its first from the autograd thread: on gloo the two ranks can issue
+    them in different orders (seen: "Received data size doesn't match expected size" with the
+    2-bucket default model). NCCL orders them on one stream; on gloo we finish each bucket
+    before starting the next (correct, less overlap)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state, self.last = state, None
+
+
+def _powersgd_in_order(holder, bucket):  # unannotated: DDP rejects any annotation but its own types
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if holder.last is not None:
+        holder.last.wait()
+    holder.last = powerSGD_hook.powerSGD_hook(holder.state, bucket)
+    return holder.last
 
 
 def check_ds_options(config: dict, on_cuda: bool) -> None:

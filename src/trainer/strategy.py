@@ -86,7 +86,8 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         if comm.get("communication_data_type") is not None:
             self.config["communication_data_type"] = comm.pop("communication_data_type")
         comm.pop("communication_data_type", None)
-        self.config.setdefault("zero_optimization", {}).update(comm)
+        if comm:  # ZeRO++ keys from the yaml; a user's ds_config.json is left as written
+            self.config.setdefault("zero_optimization", {}).update(comm)
         import torch
 
         check_ds_options(self.config, on_cuda=torch.cuda.is_available())  # before any rank starts
