@@ -1,64 +1,26 @@
 """`comm_debug`: communication debugging — NCCL/torch debug env, collective timeout, comm
 time per step, and a hang watchdog that names the rank that is behind.
 
-`StepClock` (per-rank step windows) lives here; `CommTracker` (times every collective of the
-process and counts its bytes) lives in `dsdebug.dist.timing`; `log_sync` shares both to tell a
-straggler from the ranks waiting for it.
+`StepClock` (per-rank step windows, ``_step_clock.py``) and `CommTracker` (``dsdebug.dist.timing``:
+times every collective of the process and counts its bytes) are shared with `log_sync`, to tell
+a straggler from the ranks waiting for it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from dsdebug.callbacks._flight_recorder import dump_path
+from dsdebug.callbacks._step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.dist.timing import CommTracker, register_ddp_hook  # noqa: F401 - log_sync imports them from here
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-class StepClock:
-    """One rank's step windows: train batch end -> next train batch end (data loading and
-    every hook included), validation and checkpoint saves excluded. Times are this rank's
-    perf_counter."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self._val: list[tuple[float, float]] = []
-        self._val_start: float | None = None
-
-    def batch_start(self) -> None:
-        if self.start is None:  # first batch: the sanity check before it is not a step
-            self.start, self._val = time.perf_counter(), []
-
-    def val_start(self) -> None:
-        self._val_start = time.perf_counter()
-
-    def val_end(self) -> None:
-        if self._val_start is not None:
-            self._val.append((self._val_start, time.perf_counter()))
-            self._val_start = None
-
-    def batch_end(self, tracker: CommTracker | None) -> tuple[float, float] | None:
-        """(step seconds, seconds in collectives) of the window that just ended."""
-        now, start, vals = time.perf_counter(), self.start, self._val
-        self.start, self._val = now, []
-        if start is None:
-            return None
-        from dsdebug.checkpoint.integrity import SAVE_WINDOWS
-
-        vals = vals + [(s, e) for s, e in SAVE_WINDOWS if s >= start and e <= now]
-        step = now - start - sum(e - s for s, e in vals)
-        comm = 0.0
-        if tracker is not None:
-            comm = tracker.busy_s(start, now) - sum(tracker.busy_s(s, e) for s, e in vals)
-        return step, max(0.0, min(comm, step))
-
 
 def _pg_timeout() -> str:
     """The default process group's timeout as its backend holds it (what a hang waits for)."""
