@@ -150,7 +150,8 @@ def table(results: dict[str, Any]) -> str:
             continue
         b = row["bytes_per_step"]
         ar = b.get("all_reduce", 0.0)
-        other = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in b.items() if k != "all_reduce" and v)
+        other = ", ".join(f"{k} {v / 1e6:.2f}" if v >= 1e4 else f"{k} {v:.0f} B"
+                          for k, v in b.items() if k != "all_reduce" and v)
         total = sum(b.values())
         ratio = f"{total / base:.2f}x" if base else "-"
         lines.append(f"| {variant} | {ar / 1e6:.2f} | {other or '0'} | {ratio} | {row['comm_ms']:.1f} | "
