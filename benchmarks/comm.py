@@ -173,7 +173,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     names = [v for v in VARIANTS if v in results["variants"]]
     rows = [results["variants"][v] for v in names]
-    collectives = sorted({k for r in rows for k in r["bytes_per_step"]})
+    collectives = sorted({k for r in rows for k, v in r["bytes_per_step"].items() if v >= 1e4})  # visible ones
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     bottom = [0.0] * len(names)
     for c in collectives:
