@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench bench-full clean-logs
+.PHONY: setup train test test-fast bench bench-full bench-comm clean-logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ bench: setup
 
 bench-full: setup
 	$(PY) benchmarks/overhead.py --rounds 2 --out logs/bench/overhead_full
+
+# bench-comm: every communication option on 2 CPU ranks (bytes and time per step in collectives,
+# step time) + 300 steps of ddp vs ddp_powersgd (final loss within 5 %); too long for make bench.
+bench-comm: setup
+	$(PY) benchmarks/comm.py --loss-check
 
 clean-logs:
 	rm -rf logs multirun outputs

@@ -1,239 +1,26 @@
 """`comm_debug`: communication debugging — NCCL/torch debug env, collective timeout, comm
 time per step, and a hang watchdog that names the rank that is behind.
 
-Also home of `CommTracker` (times every collective of the process) and `StepClock` (per-rank
-step windows), which `log_sync` shares to tell a straggler from the ranks waiting for it.
+`StepClock` (per-rank step windows, ``_step_clock.py``) and `CommTracker` (``dsdebug.dist.timing``:
+times every collective of the process and counts its bytes) are shared with `log_sync`, to tell
+a straggler from the ranks waiting for it.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import os
-import threading
-import time
-from collections import deque
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from dsdebug.callbacks._flight_recorder import dump_path
+from dsdebug.callbacks._step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
+from dsdebug.dist.timing import CommTracker, register_ddp_hook  # noqa: F401 - log_sync imports them from here
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# torch.distributed entry points that DeepSpeed's comm backend, Lightning and user code call
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
-                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "barrier",
-                "monitored_barrier", "all_to_all", "all_to_all_single", "all_gather_object",
-                "broadcast_object_list", "gather", "scatter", "gather_object", "scatter_object_list",
-                "_broadcast_coalesced")  # DDP's buffer/parameter broadcast
-
-
-class CommTracker:
-    """Process-wide record of collectives: how many were entered (``seq``), which are in
-    flight, and when each finished, so a window's comm time is the union of their spans.
-
-    Wraps the ``torch.distributed`` collectives (module attributes, which DeepSpeed's
-    ``deepspeed.comm`` backend, Lightning's reduce/gather and user code call) and DeepSpeed's
-    cached all-gather/reduce-scatter functions; DDP's C++ reducer is reached through a comm
-    hook (`register_ddp_hook`). An async op counts until its future completes. Shared by
-    reference count (`acquire`/`release`); the last release restores the originals."""
-
-    _instance: CommTracker | None = None
-
-    @classmethod
-    def acquire(cls) -> CommTracker:
-        if cls._instance is None:
-            cls._instance = cls()
-            cls._instance._install()
-        cls._instance._users += 1
-        return cls._instance
-
-    def release(self) -> None:
-        self._users -= 1
-        if self._users <= 0 and CommTracker._instance is self:
-            self._uninstall()
-            CommTracker._instance = None
-
-    def __init__(self) -> None:
-        self._users = 0
-        self.seq = 0  # outermost collectives entered by this process
-        self.last: tuple[str, int, float] | None = None  # (name, seq, wall time) of the last entered
-        self.inflight: dict[int, tuple[str, float, int]] = {}  # token -> (name, perf start, seq)
-        self._done: deque[tuple[float, float]] = deque(maxlen=20_000)  # (start, end), completion order
-        self._lock = threading.Lock()
-        self._tokens = itertools.count()
-        self._local = threading.local()
-        self._originals: dict[str, Any] = {}
-        self._patched: list[tuple[Any, str, Any]] = []
-        self.ddp_models: set[int] = set()
-
-    def enter(self, name: str) -> int:
-        token = next(self._tokens)
-        self.seq += 1
-        self.inflight[token] = (name, time.perf_counter(), self.seq)
-        self.last = (name, self.seq, time.time())
-        return token
-
-    def exit(self, token: int) -> None:  # may run on a backend thread (future callbacks)
-        entry = self.inflight.pop(token, None)
-        if entry is not None:
-            with self._lock:
-                self._done.append((entry[1], time.perf_counter()))
-
-    def busy_s(self, lo: float, hi: float) -> float:
-        """Seconds within [lo, hi] (perf_counter) when at least one collective was running."""
-        spans = [(start, hi) for _, start, _ in list(self.inflight.values())]
-        with self._lock:
-            for start, end in reversed(self._done):
-                if end < lo:
-                    break
-                spans.append((start, end))
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in sorted((max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi):
-            if cur_e is None or s > cur_e:
-                total += 0.0 if cur_e is None else cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        return total + (0.0 if cur_e is None else cur_e - cur_s)
-
-    def original(self, name: str) -> Any:
-        import torch.distributed as dist
-
-        return self._originals.get(name, getattr(dist, name))
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        tracker = self
-
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            local = tracker._local
-            if getattr(local, "depth", 0):  # nested in a tracked collective (all_gather_object -> all_gather)
-                return fn(*args, **kwargs)
-            token = tracker.enter(name)
-            local.depth = 1
-            try:
-                work = fn(*args, **kwargs)
-            except BaseException:
-                tracker.exit(token)
-                raise
-            finally:
-                local.depth = 0
-            if work is not None and hasattr(work, "get_future"):  # async_op=True: done when the future is
-                try:
-                    work.get_future().add_done_callback(lambda _f: tracker.exit(token))
-                    return work
-                except Exception:  # noqa: BLE001 - a backend without futures: count the launch only
-                    pass
-            tracker.exit(token)
-            return work
-
-        return timed
-
-    def _install(self) -> None:
-        import sys
-
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        wrapped = {}
-        for name in _COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._originals[name], wrapped[name] = fn, self._wrap(name, fn)
-                for owner in (dist, c10d):
-                    if getattr(owner, name, None) is fn:
-                        self._patched.append((owner, name, fn))
-                        setattr(owner, name, wrapped[name])
-        ds_comm = sys.modules.get("deepspeed.comm.comm")
-        cdb = getattr(ds_comm, "cdb", None)
-        for attr in ("all_gather_function", "reduce_scatter_function"):  # cached at DeepSpeed's init
-            fn = getattr(cdb, attr, None)
-            name = getattr(fn, "__name__", "")
-            if fn is not None and self._originals.get(name) is fn:
-                self._patched.append((cdb, attr, fn))
-                setattr(cdb, attr, wrapped[name])
-
-    def _uninstall(self) -> None:
-        for owner, attr, fn in reversed(self._patched):
-            setattr(owner, attr, fn)
-        self._patched.clear()
-
-
-def _timed_allreduce_hook(state, bucket):  # unannotated: DDP rejects any annotation but its own types
-    """DDP's default allreduce (mean) hook, timed: launch -> the bucket's future completes."""
-    tracker, group = state
-    import torch.distributed as dist
-
-    group = group if group is not None else dist.group.WORLD
-    tensor = bucket.buffer()
-    token = tracker.enter(f"ddp.allreduce(bucket {bucket.index()})")
-    tensor.div_(group.size())
-    fut = tracker.original("all_reduce")(tensor, group=group, async_op=True).get_future()
-
-    def done(f: Any) -> Any:
-        tracker.exit(token)
-        return f.value()[0]
-
-    return fut.then(done)
-
-
-def register_ddp_hook(trainer: Any, tracker: CommTracker) -> str | None:
-    """Time DDP's bucket allreduces; None on success or when not DDP, else why not."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = getattr(trainer.strategy, "model", None)
-    if not isinstance(model, DistributedDataParallel) or id(model) in tracker.ddp_models:
-        return None
-    try:
-        model.register_comm_hook(state=(tracker, model.process_group), hook=_timed_allreduce_hook)
-    except RuntimeError as e:  # the user's own comm hook is registered (only one is allowed)
-        return str(e).splitlines()[0]
-    tracker.ddp_models.add(id(model))
-    return None
-
-
-class StepClock:
-    """One rank's step windows: train batch end -> next train batch end (data loading and
-    every hook included), validation and checkpoint saves excluded. Times are this rank's
-    perf_counter."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self._val: list[tuple[float, float]] = []
-        self._val_start: float | None = None
-
-    def batch_start(self) -> None:
-        if self.start is None:  # first batch: the sanity check before it is not a step
-            self.start, self._val = time.perf_counter(), []
-
-    def val_start(self) -> None:
-        self._val_start = time.perf_counter()
-
-    def val_end(self) -> None:
-        if self._val_start is not None:
-            self._val.append((self._val_start, time.perf_counter()))
-            self._val_start = None
-
-    def batch_end(self, tracker: CommTracker | None) -> tuple[float, float] | None:
-        """(step seconds, seconds in collectives) of the window that just ended."""
-        now, start, vals = time.perf_counter(), self.start, self._val
-        self.start, self._val = now, []
-        if start is None:
-            return None
-        from dsdebug.checkpoint.integrity import SAVE_WINDOWS
-
-        vals = vals + [(s, e) for s, e in SAVE_WINDOWS if s >= start and e <= now]
-        step = now - start - sum(e - s for s, e in vals)
-        comm = 0.0
-        if tracker is not None:
-            comm = tracker.busy_s(start, now) - sum(tracker.busy_s(s, e) for s, e in vals)
-        return step, max(0.0, min(comm, step))
-
 
 def _pg_timeout() -> str:
     """The default process group's timeout as its backend holds it (what a hang waits for)."""
@@ -279,8 +66,9 @@ class CommDebug(DebugCallback):
     |---|---|
     | ``comm/ms`` | ms this step (rank 0) with a collective running (union of spans; DDP buckets via a comm hook) |
     | ``comm/share`` | ``comm/ms`` / step time, in [0, 1] |
+    | ``comm/bytes_per_step/<collective>`` | bytes rank 0 handed to that collective this step (``all_reduce``: DDP's gradient buckets, compressed ones as sent) |
     | ``settings`` (info) | the debug env and timeout in effect |
-    | ``comm_summary`` (info) | mean comm share over the run |
+    | ``comm_summary`` (info) | mean comm share and bytes per step per collective over the run |
     | ``ddp_hook_unavailable`` (info) | DDP comm time not measured: another comm hook is registered |
     | ``hang`` (error) | no progress for ``hang_timeout_s``: names the rank(s) behind and where they are; stacks in ``hang_rank<r>.txt``, collectives in ``flight_recorder/rank_<r>`` (``torchfrtrace``); exit 124 |
     """
@@ -323,6 +111,8 @@ class CommDebug(DebugCallback):
         self.clock: StepClock | None = None
         self.watchdog: Any = None
         self._shares: list[float] = []
+        self._bytes_seen: dict[str, int] = {}  # the tracker's byte counters at the last step end
+        self._bytes_steps: list[dict[str, int]] = []
 
     def _apply_env(self, nccl_debug, subsys, to_file, dist_debug, async_eh, blocking, buffer, dump) -> dict[str, str]:
         want = {
@@ -376,6 +166,8 @@ class CommDebug(DebugCallback):
                             advice="remove the other DDP comm hook to measure comm time and track hangs in it")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.tracker is not None:
+            self._bytes_seen = dict(self.tracker.bytes)  # DDP's initial broadcast is not a step's
         if self.hang_timeout_s:
             from dsdebug.callbacks._watchdog import HangWatchdog, watchdog_store
 
@@ -399,7 +191,15 @@ class CommDebug(DebugCallback):
             step_s, comm_s = window
             self._shares.append(comm_s / step_s)
             # no sync_dist: every rank logs its own value, the loggers keep rank 0's
-            pl_module.log_dict({"comm/ms": comm_s * 1e3, "comm/share": comm_s / step_s}, on_step=True, on_epoch=False)
+            pl_module.log_dict({"comm/ms": comm_s * 1e3, "comm/share": comm_s / step_s, **self._step_bytes()},
+                               on_step=True, on_epoch=False)
+
+    def _step_bytes(self) -> dict[str, float]:
+        now = dict(self.tracker.bytes)
+        step = {name: n - self._bytes_seen.get(name, 0) for name, n in now.items()}
+        self._bytes_seen = now
+        self._bytes_steps.append(step)
+        return {f"comm/bytes_per_step/{name}": float(n) for name, n in step.items()}
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.clock is not None:
@@ -419,9 +219,14 @@ class CommDebug(DebugCallback):
         self._stop_watchdog()
         if self._shares and trainer.is_global_zero:
             mean = sum(self._shares) / len(self._shares)
+            names = sorted({name for step in self._bytes_steps for name in step})
+            per_step = {n: sum(s.get(n, 0) for s in self._bytes_steps) / len(self._bytes_steps) for n in names}
+            sent = ", ".join(f"{n} {b / 1e6:.3g} MB" for n, b in per_step.items() if b)
             self.report(trainer, "info", "comm_summary",
-                        f"rank 0 spent {mean:.0%} of its step time in collectives ({len(self._shares)} steps)",
-                        details={"mean_share": mean, "max_share": max(self._shares)}, rank=None)
+                        f"rank 0 spent {mean:.0%} of its step time in collectives ({len(self._shares)} steps)"
+                        + (f"; per step it sent {sent}" if sent else ""),
+                        details={"mean_share": mean, "max_share": max(self._shares), "bytes_per_step": per_step},
+                        rank=None)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.watchdog is not None and self.watchdog.fired:

@@ -29,12 +29,45 @@ from lightning.fabric.utilities.seed import reset_seed
 from dsdebug.config.ds_auto import resolve_auto_values
 from dsdebug.config.ds_config import load_ds_config
 from dsdebug.dist.launcher import HydraLauncherMixin
+from dsdebug.errors import ConfigError
+from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_ddp_options, check_ds_options, ds_comm_setting,
+                                          report_comm_setting)
 
 log = logging.getLogger(__name__)
 
 
 class DebugDDPStrategy(HydraLauncherMixin, DDPStrategy):
-    """Lightning's DDP with Hydra-aware child launching."""
+    """Lightning's DDP with Hydra-aware child launching and a configurable comm hook
+    (``comm_hook``: none | fp16 | bf16 | powersgd; see comm_options.py), registered on CPU too."""
+
+    def __init__(self, comm_hook: str = "none", powersgd_rank: int = 1, powersgd_warm_start: bool = True,
+                 powersgd_start_iter: int = 2, **kwargs: Any) -> None:
+        import torch
+
+        self.comm_hook = str(comm_hook)
+        self._powersgd = {"powersgd_rank": powersgd_rank, "powersgd_warm_start": powersgd_warm_start,
+                          "powersgd_start_iter": powersgd_start_iter}
+        check_ddp_options(self.comm_hook, self._powersgd, kwargs)
+        if self.comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
+            raise ConfigError("strategy.comm_hook and strategy.ddp_comm_hook are both set; valid: one of them")
+        if self.comm_hook == "bf16" and not torch.cuda.is_available():  # fail before any rank starts
+            build_ddp_hook("bf16", self._powersgd, None, on_cuda=False)
+        self._ddp_options = {k: kwargs[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
+                             if k in kwargs}
+        super().__init__(**kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        if self.comm_hook == "none":
+            super()._register_ddp_hooks()  # a ddp_comm_hook passed directly (Lightning: CUDA only)
+        else:
+            # Lightning registers hooks on CUDA only; torch's fp16 and PowerSGD hooks work on gloo too
+            state, hook = build_ddp_hook(self.comm_hook, self._powersgd, None, self.root_device.type == "cuda")
+            self.model.register_comm_hook(state, hook)
+        if self.is_global_zero:
+            setting = {"comm_hook": self.comm_hook, **self._ddp_options}
+            if self.comm_hook == "powersgd":
+                setting.update(self._powersgd)
+            report_comm_setting("ddp", setting, self.world_size, self._get_process_group_backend())
 
 
 class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
@@ -48,7 +81,16 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         self._ds_config_source = config if isinstance(config, str) else None
         if isinstance(config, str):
             config = load_ds_config(config)
+        comm = {k: kwargs.pop(k) for k in ("communication_data_type", *ZERO_PLUS_PLUS) if k in kwargs}
         super().__init__(config=config, **kwargs)
+        if comm.get("communication_data_type") is not None:
+            self.config["communication_data_type"] = comm.pop("communication_data_type")
+        comm.pop("communication_data_type", None)
+        if comm:  # ZeRO++ keys from the yaml; a user's ds_config.json is left as written
+            self.config.setdefault("zero_optimization", {}).update(comm)
+        import torch
+
+        check_ds_options(self.config, on_cuda=torch.cuda.is_available())  # before any rank starts
 
     @property
     def _on_cuda(self) -> bool:
@@ -118,6 +160,9 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             dist_init_required=False,
         )
         guard_reentrant_forward(engine)
+        if self.is_global_zero:
+            report_comm_setting(f"deepspeed zero{self.config.get('zero_optimization', {}).get('stage', 0)}",
+                                ds_comm_setting(self.config), self.world_size, self._get_process_group_backend())
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model) -> None:
