@@ -49,124 +49,31 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_clock  # noqa: E402
 import harness  # noqa: E402  (puts the repo on sys.path)
+import raw_loop  # noqa: E402
+from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, DS_CONFIG, EPS, GRAD_CLIP, LR, MIN_LR_RATIO, MODEL,  # noqa: E402,F401
+                      SEED, SEQ_LEN, VOCAB, WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 REPO = harness.REPO
 TARGET = 0.03
 LOG_EVERY = 10  # trainer.log_every_n_steps default: framework stamps exist every 10 steps
+# Framework variants (--variants): train.py as a user runs it, and ablations that each switch one
+# suspect of the 2-rank cost off (issue 16). Each is a list of extra overrides.
+_NO_PL_SIGTERM = ["+callbacks.cpu_clock.ablate=[lightning_sigterm]"]
+VARIANTS: dict[str, list[str]] = {
+    "framework": [],
+    "no_preemption": ["preemption.enabled=false"],  # our per-step any_rank all-reduce
+    "no_pl_sigterm": _NO_PL_SIGTERM,  # Lightning's per-step SIGTERM broadcast
+    "no_collectives": ["preemption.enabled=false", *_NO_PL_SIGTERM],  # both
+    "no_progress_bar": ["trainer.enable_progress_bar=false"],
+    "no_tensorboard": ["~logger.tensorboard"],
+}
 
 # The framework's defaults, written out as a hand-written loop would (tests check they still
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
-SEED = 42
-BATCH_SIZE, SEQ_LEN, VOCAB = 8, 128, 4096
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
-WARMUP_RATIO, MIN_LR_RATIO, GRAD_CLIP, AUX_COEF = 0.1, 0.1, 1.0, 0.01
-MODEL = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=SEQ_LEN)
-# Dumped from a framework run (trainer.strategy.config after setup, strategy=zero2): Lightning's
-# DeepSpeedStrategy(stage=2) defaults. Lightning also passes `activation_checkpointing` (all
-# false) and `aio` (NVMe offload settings): neither does anything here, so they are left out.
-ZERO2 = {
-    "stage": 2,
-    "contiguous_gradients": True,
-    "overlap_comm": True,
-    "allgather_partitions": True,
-    "reduce_scatter": True,
-    "allgather_bucket_size": 200_000_000,
-    "reduce_bucket_size": 200_000_000,
-    "sub_group_size": 1_000_000_000_000,
-}
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": BATCH_SIZE,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": GRAD_CLIP,
-    "zero_allow_untested_optimizer": True,  # a torch AdamW under ZeRO, as Lightning allows
-    "zero_optimization": ZERO2,
-}
-
-
 class BenchError(Exception):
     """A run failed or timed out: one line for the user."""
-
-
-# ---- the hand-written loop (every rank, under torchrun) -------------------------------------
-
-def raw_main(args: argparse.Namespace) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import random
-
-    import deepspeed
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from dsdebug.data.corpus import KJVCorpus
-    from dsdebug.data.datamodule import LMDataModule
-    from dsdebug.models.deepseek import build_deepseek_v3
-    from dsdebug.models.moe_aux import RouterCapture, load_balancing_loss
-    from dsdebug.models.optim import param_groups, warmup_cosine
-
-    class LossModel(torch.nn.Module):
-        """CE on shifted labels + AUX_COEF x MoE balance loss (the model-side helpers)."""
-
-        def __init__(self, net: torch.nn.Module) -> None:
-            super().__init__()
-            self.net = net
-            self.capture = RouterCapture(net).attach()
-
-        def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.net(input_ids=batch["input_ids"]).logits
-            aux = load_balancing_loss(self.capture.collect(), self.capture.num_experts, self.capture.top_k)
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                 batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
-            return ce + AUX_COEF * aux, ce
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    random.seed(SEED)  # what L.seed_everything(42) does before train.py builds the net
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
-    net = build_deepseek_v3(**{**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers})
-    model = LossModel(net)
-    cache = Path(os.environ.get("DSDEBUG_CACHE_DIR", REPO / ".cache")) / "data"
-    data = LMDataModule(KJVCorpus(granularity="chapter"), vocab_size=VOCAB, seq_len=SEQ_LEN,
-                        batch_size=BATCH_SIZE, seed=SEED, cache_dir=str(cache))
-    data.setup("fit")  # only for its tokenized, packed train blocks
-    sampler = DistributedSampler(data.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
-    loader = DataLoader(data.train_dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.AdamW(param_groups(net.named_parameters()), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
-    scheduler = warmup_cosine(optimizer, total_steps=args.total_steps, warmup_ratio=WARMUP_RATIO,
-                              min_lr_ratio=MIN_LR_RATIO)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=DS_CONFIG)
-    stamps: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    step, epoch = 0, 0
-    while step < args.total_steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            total, ce = engine(batch)
-            engine.backward(total)
-            engine.step()  # clip, update, LR schedule
-            step += 1
-            if step % args.log_every == 0:
-                losses[step] = ce.item()
-                if rank == 0:
-                    print(f"step {step} loss {losses[step]:.4f}", flush=True)
-            if step >= args.warmup:
-                stamps[step] = time.time()
-            if step == args.total_steps:
-                break
-        epoch += 1
-    if rank == 0:
-        harness.write_json(Path(args.result), {"stamps": stamps, "losses": losses, "world_size": world,
-                                               "threads": torch.get_num_threads()})
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # ---- reading results, summary math (pure) --------------------------------------------------
@@ -209,8 +116,21 @@ def block_ms(stamps: dict[int, float], warmup: int, steps: int, block: int = LOG
             if s in stamps and s + block in stamps]
 
 
-def round_order(r: int) -> list[str]:
-    return ["raw", "framework"] if r % 2 == 0 else ["framework", "raw"]
+def round_order(r: int, sides: tuple[str, ...] | list[str] = ("raw", "framework")) -> list[str]:
+    """Round r runs the sides in list order rotated by r (two sides: they alternate)."""
+    k = r % len(sides)
+    return [*sides[k:], *sides[:k]]
+
+
+def side_summary(rounds: list[dict[str, Any]], side: str) -> dict[str, Any]:
+    """Wall and CPU ratios of one framework side to the raw loop of the same round, medians over rounds.
+    CPU is the sum of every rank's user+sys over the same step window as wall time."""
+    wall = [r["sides"][side]["ms"] / r["sides"]["raw"]["ms"] - 1.0 for r in rounds]
+    cpu = [r["sides"][side]["cpu_ms"] / r["sides"]["raw"]["cpu_ms"] - 1.0 for r in rounds]
+    med = statistics.median
+    return {"wall_ms": med(r["sides"][side]["ms"] for r in rounds), "wall_overheads": wall,
+            "wall_overhead": med(wall), "cpu_ms": med(r["sides"][side]["cpu_ms"] for r in rounds),
+            "cpu_overheads": cpu, "cpu_overhead": med(cpu)}
 
 
 def summarize(rounds: list[dict[str, float]], target: float = TARGET) -> dict[str, Any]:
@@ -232,6 +152,8 @@ def _env(ranks: int) -> dict[str, str]:
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
+    here = str(Path(__file__).resolve().parent)  # cpu_clock.CpuClock, for train.py and its child ranks
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -309,61 +231,78 @@ def run_raw(args: argparse.Namespace, ranks: int, run_dir: Path, port: int) -> d
     data = json.loads(result.read_text())
     stamps = {int(k): v for k, v in data["stamps"].items()}
     return {"ms": mean_step_ms(stamps, args.warmup, args.steps), "wall_s": wall,
+            **cpu_clock.summarize_ranks(data["cpu"], args.steps),
             "blocks_ms": block_ms(stamps, args.warmup, args.steps),
             "losses": {int(k): v for k, v in data["losses"].items()}}
 
 
-def framework_command(args: argparse.Namespace, ranks: int, log_dir: Path) -> list[str]:
+def framework_command(args: argparse.Namespace, ranks: int, log_dir: Path, variant: str = "framework",
+                      clock_dir: Path | None = None) -> list[str]:
     trainer = ["trainer=cpu"] if ranks == 1 else ["trainer=ddp_sim", f"trainer.devices={ranks}"]
+    clock = [] if clock_dir is None else [
+        "+callbacks.cpu_clock._target_=cpu_clock.CpuClock", f"+callbacks.cpu_clock.out={clock_dir}",
+        f"+callbacks.cpu_clock.start={args.warmup}", f"+callbacks.cpu_clock.end={args.warmup + args.steps}"]
     return [sys.executable, str(REPO / "train.py"), "debug=none", "strategy=zero2", *trainer,
             f"trainer.max_steps={args.warmup + args.steps}", "export.fp32=false", "export.hf=false",
-            f"paths.log_dir={log_dir}", *model_overrides(args)]
+            f"paths.log_dir={log_dir}", *model_overrides(args), *clock, *VARIANTS[variant]]
 
 
-def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path) -> dict[str, Any]:
-    log_dir = run_dir / "framework"
-    shutil.rmtree(log_dir, ignore_errors=True)  # an earlier benchmark's run (ours, under --out) would be read twice
-    wall = run_supervised(framework_command(args, ranks, log_dir), run_dir / "framework.log", args.timeout,
-                          _env(ranks))
+def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path, variant: str = "framework") -> dict[str, Any]:
+    log_dir, clock_dir = run_dir / variant, run_dir / f"{variant}_cpu"
+    for d in (log_dir, clock_dir):  # an earlier benchmark's run (ours, under --out) would be read twice
+        shutil.rmtree(d, ignore_errors=True)
+    wall = run_supervised(framework_command(args, ranks, log_dir, variant, clock_dir), run_dir / f"{variant}.log",
+                          args.timeout, _env(ranks))
+    clock = cpu_clock.read_ranks(clock_dir)
+    if len(clock) != ranks:
+        raise BenchError(f"expected {ranks} CPU records under {clock_dir}, found {len(clock)}")
     histories = sorted(log_dir.glob("*/runs/*/history.jsonl"))
     if len(histories) != 1:
         raise BenchError(f"expected one history.jsonl under {log_dir}, found {len(histories)}")
     stamps, losses = parse_history(histories[0])
     shutil.rmtree(histories[0].parent / "checkpoints", ignore_errors=True)  # ~130 MB each, never read
     return {"ms": mean_step_ms(stamps, args.warmup, args.steps), "wall_s": wall, "losses": losses,
-            "blocks_ms": block_ms(stamps, args.warmup, args.steps), "history": str(histories[0])}
+            "blocks_ms": block_ms(stamps, args.warmup, args.steps), "history": str(histories[0]),
+            **cpu_clock.summarize_ranks(clock, args.steps)}
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     out = Path(args.out)
     results, port = [], args.port
+    sides = ("raw", *args.variants)
     for ranks in args.ranks:
         rounds = []
         for r in range(args.rounds):
             run_dir = out / "runs" / f"ranks{ranks}_round{r}"
             got = {}
-            for side in round_order(r):
+            for side in round_order(r, sides):
                 print(f"ranks {ranks} round {r}: {side} ..", flush=True)
                 if side == "raw":
                     got[side] = run_raw(args, ranks, run_dir, port)
                 else:
-                    got[side] = run_framework(args, ranks, run_dir)
+                    got[side] = run_framework(args, ranks, run_dir, side)
                 port += 1
             end = args.warmup + args.steps
-            rounds.append({"round": r, "order": round_order(r), "raw_ms": got["raw"]["ms"],
+            keep = ("ms", "cpu_ms", "cpu_ms_per_rank", "torch_threads", "threads_cpu_s", "blocks_ms")
+            rounds.append({"round": r, "order": round_order(r, sides), "raw_ms": got["raw"]["ms"],
                            "framework_ms": got["framework"]["ms"],
                            "raw_blocks_ms": got["raw"]["blocks_ms"],
                            "framework_blocks_ms": got["framework"]["blocks_ms"],
+                           "sides": {side: {k: got[side][k] for k in keep} for side in got},
                            "wall_s": {side: round(got[side]["wall_s"], 1) for side in got},
                            "loss": {side: {s: got[side]["losses"].get(s) for s in (args.warmup, end)}
                                     for side in ("raw", "framework")}})
-            print(f"  raw {got['raw']['ms']:.1f} ms/step, framework {got['framework']['ms']:.1f} ms/step, "
-                  f"overhead {got['framework']['ms'] / got['raw']['ms'] - 1:+.1%}; loss@{args.warmup}/{end} "
+            print(f"  raw {got['raw']['ms']:.1f} ms/step (CPU {got['raw']['cpu_ms']:.1f}); "
+                  + "; ".join(f"{v} {got[v]['ms']:.1f} (CPU {got[v]['cpu_ms']:.1f}) "
+                              f"{got[v]['ms'] / got['raw']['ms'] - 1:+.1%} / CPU {got[v]['cpu_ms'] / got['raw']['cpu_ms'] - 1:+.1%}"
+                              for v in args.variants)
+                  + f"; loss@{args.warmup}/{end} "
                   + "  ".join(f"{s} {got[s]['losses'].get(args.warmup, float('nan')):.4f}/"
                               f"{got[s]['losses'].get(end, float('nan')):.4f}" for s in ("raw", "framework")),
                   flush=True)
-        results.append({"ranks": ranks, "rounds": rounds, **summarize(rounds)})
+        results.append({"ranks": ranks, "rounds": rounds, **summarize(rounds),
+                        "variants": {v: side_summary(rounds, v) for v in args.variants}})
     return {"machine": harness.machine_info(), "target": TARGET, "warmup": args.warmup, "steps": args.steps,
             "model": {**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers},
             "omp_num_threads": {r: max(1, (os.cpu_count() or 1) // r) for r in args.ranks},
@@ -395,6 +334,19 @@ def results_md(report: dict[str, Any]) -> str:
         lines.append(f"| {res['ranks']} | {fmt(loss['raw'])} | {fmt(loss['framework'])} "
                      f"| {max(diffs):.2g} |" if diffs else f"| {res['ranks']} | {fmt(loss['raw'])} | "
                      f"{fmt(loss['framework'])} | - |")
+    lines += ["", "Wall and CPU time per step (CPU: user+sys of every rank over the same window, summed; median of "
+              "the rounds; overhead = side / raw loop of the same round - 1):", "",
+              "| ranks | side | wall ms/step | CPU ms/step | wall overhead | CPU overhead | per round wall / CPU |",
+              "|---|---|---|---|---|---|---|"]
+    for res in report["results"]:
+        if not res.get("variants"):
+            continue
+        raw_cpu = statistics.median(r["sides"]["raw"]["cpu_ms"] for r in res["rounds"])
+        lines.append(f"| {res['ranks']} | raw | {res['raw_ms']:.1f} | {raw_cpu:.1f} | | | |")
+        for v, vs in res["variants"].items():
+            per = ", ".join(f"{w:+.1%} / {c:+.1%}" for w, c in zip(vs["wall_overheads"], vs["cpu_overheads"]))
+            lines.append(f"| {res['ranks']} | {v} | {vs['wall_ms']:.1f} | {vs['cpu_ms']:.1f} | {pct(vs['wall_overhead'])} "
+                         f"| {pct(vs['cpu_overhead'])} | {per} |")
     return "\n".join(lines) + "\n"
 
 
@@ -433,6 +385,14 @@ def _ranks(text: str) -> list[int]:
     return ranks
 
 
+def _variants(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: valid: {', '.join(VARIANTS)}")
+    return ["framework", *[x for x in dict.fromkeys(names) if x != "framework"]]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="framework_vs_raw.py", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -443,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "logs" / "bench" / "framework_vs_raw"), help="output directory")
     p.add_argument("--port", type=_positive, default=29561, help="first torchrun master port (default 29561)")
     p.add_argument("--timeout", type=_positive, default=600, help="seconds per run before it is killed (default 600)")
+    p.add_argument("--variants", type=_variants, default=["framework"],
+                   help=f"framework sides, comma-separated (default framework; ablations: {', '.join(list(VARIANTS)[1:])})")
     p.add_argument("--hidden-size", type=_positive, default=MODEL["hidden_size"], help="model width (default 256)")
     p.add_argument("--layers", type=_positive, default=MODEL["num_hidden_layers"], help="decoder layers (default 4)")
     raw = p.add_argument_group("raw worker (run by torchrun; not for direct use)")
@@ -466,7 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.raw:
-        raw_main(args)
+        raw_loop.raw_main(args)
         return 0
     out = Path(args.out)
     try:
