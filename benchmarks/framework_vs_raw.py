@@ -67,8 +67,9 @@ VARIANTS: dict[str, list[str]] = {
     "no_pl_sigterm": _NO_PL_SIGTERM,  # Lightning's per-step SIGTERM broadcast
     "no_collectives": ["preemption.enabled=false", *_NO_PL_SIGTERM],  # both
     "no_progress_bar": ["trainer.enable_progress_bar=false"],
-    "no_tensorboard": ["~logger.tensorboard"],
+    "one_session": [],  # placement as before issue 16: rank 1 in rank 0's session (env below)
 }
+VARIANT_ENV: dict[str, dict[str, str]] = {"one_session": {"DSDEBUG_RANK_SESSIONS": "0"}}
 
 # The framework's defaults, written out as a hand-written loop would (tests check they still
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
@@ -252,7 +253,7 @@ def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path, variant: 
     for d in (log_dir, clock_dir):  # an earlier benchmark's run (ours, under --out) would be read twice
         shutil.rmtree(d, ignore_errors=True)
     wall = run_supervised(framework_command(args, ranks, log_dir, variant, clock_dir), run_dir / f"{variant}.log",
-                          args.timeout, _env(ranks))
+                          args.timeout, {**_env(ranks), **VARIANT_ENV.get(variant, {})})
     clock = cpu_clock.read_ranks(clock_dir)
     if len(clock) != ranks:
         raise BenchError(f"expected {ranks} CPU records under {clock_dir}, found {len(clock)}")
