@@ -125,7 +125,8 @@ def raw_main(args: argparse.Namespace) -> None:
             if step == args.total_steps:
                 break
         epoch += 1
-    cpu = cpu_clock.window(cpu_stamps, args.warmup, args.total_steps, rank, torch.get_num_threads())
+    cpu = (cpu_clock.window(cpu_stamps, args.warmup, args.total_steps, rank, torch.get_num_threads())
+           if args.warmup in cpu_stamps and args.total_steps in cpu_stamps and args.warmup < args.total_steps else None)
     every_rank: list = [None] * world
     dist.all_gather_object(every_rank, cpu)  # every rank
     if rank == 0:
