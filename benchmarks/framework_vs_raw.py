@@ -8,27 +8,28 @@ seed 42), the KJV train blocks (8 x 128 per rank, DistributedSampler shuffled wi
 AdamW with the framework's param groups + warmup-cosine schedule, clipping 1.0, ZeRO stage 2
 with the zero_optimization dict Lightning's DeepSpeedStrategy(stage=2) produces, fp32.
 
-* raw: this file with ``--raw``, launched by torchrun: ``deepspeed.initialize`` and a for-loop
-  (``engine(batch)`` / ``engine.backward`` / ``engine.step``); the loss is CE on shifted labels +
-  0.01 x the MoE load-balancing loss, computed with the model-side helpers
-  (``dsdebug.models.moe_aux.RouterCapture`` / ``load_balancing_loss``), the same formula as
-  ``CausalLMModule._losses``. It prints the loss every 10 steps and stamps ``time.time()`` after
-  every optimizer step from ``--warmup`` on.
+* raw: ``raw_loop.py`` (this file with ``--raw``, launched by torchrun): ``deepspeed.initialize``
+  and a for-loop, the same loss code; it stamps ``time.time()`` after every optimizer step.
 * framework: ``train.py debug=none strategy=zero2 trainer=cpu|ddp_sim trainer.max_steps=W+N
   export.fp32=false export.hf=false`` as a user runs it (progress bar, TensorBoard, LR monitor,
   sanity validation before step 1). Its stamps are the ``time`` of history.jsonl's ``train/loss``
   rows: Lightning writes the row of history step ``s`` (0-based batch index) at the end of that
   batch, i.e. after optimizer step ``s + 1`` -- the raw loop's stamp point.
+* CPU time (issue 16): every rank's user+sys over the same steps (W, W+N], from ``cpu_clock.py``
+  on both sides (a callback added on the command line for train.py); summed over ranks. Wall
+  time moves with the neighbours on a shared machine, CPU time far less.
+* ``--variants``: framework ablations run in the same interleaved rounds (``VARIANTS``), each
+  switching one suspect of the 2-rank cost off.
 
 Steady state: mean step time over steps (W, W+N] (W=10, N=50 by default); overhead =
-framework / raw - 1. Rounds alternate the order (even: raw first, odd: framework first); the
-reported overhead is the median of the per-round values; the overhead of each side's fastest
+framework / raw - 1. Round r runs the sides in list order rotated by r (two sides alternate); the
+reported overhead is the median of the per-round values, for wall and for CPU time; the overhead of each side's fastest
 10-step block is a noise check. Target: <= 3 %. Both sides get OMP_NUM_THREADS = cores // ranks
 (what Lightning and torchrun pick by themselves when it is unset). The two compute the same
 thing: their losses agree bit for bit (1 and 2 ranks; results.md shows the difference).
-Caveat for shared machines: torchrun starts each worker in its own session, and with Linux
-autogroup scheduling a session is a CPU-share group, so under outside load raw 2-rank workers
-get more CPU than train.py's two ranks (one session). Run it on a quiet machine.
+Placement: torchrun starts each worker in its own session, and with Linux autogroup scheduling a
+session is a CPU-share group; train.py's child ranks now get sessions of their own too (variant
+``one_session``: the old placement, both ranks in one share).
 Writes results.json and results.md under --out; every run's log under --out/runs/ (the
 framework runs' final checkpoints are deleted once read).
 Default run (2 x 2 rounds x 2 sides, N=50): ~5.4 min on a quiet 2-core box; --steps 30: ~4.3 min (estimated).
@@ -52,12 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_clock  # noqa: E402
 import harness  # noqa: E402  (puts the repo on sys.path)
 import raw_loop  # noqa: E402
+from framework_vs_raw_report import (LOG_EVERY, TARGET, block_ms, mean_step_ms, parse_history,  # noqa: E402,F401
+                                     results_md, round_order, side_summary, summarize)
+from supervise import BenchError, run_supervised  # noqa: E402,F401
 from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, DS_CONFIG, EPS, GRAD_CLIP, LR, MIN_LR_RATIO, MODEL,  # noqa: E402,F401
                       SEED, SEQ_LEN, VOCAB, WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 REPO = harness.REPO
-TARGET = 0.03
-LOG_EVERY = 10  # trainer.log_every_n_steps default: framework stamps exist every 10 steps
 # Framework variants (--variants): train.py as a user runs it, and ablations that each switch one
 # suspect of the 2-rank cost off (issue 16). Each is a list of extra overrides.
 _NO_PL_SIGTERM = ["+callbacks.cpu_clock.ablate=[lightning_sigterm]"]
@@ -73,79 +75,6 @@ VARIANT_ENV: dict[str, dict[str, str]] = {"one_session": {"DSDEBUG_RANK_SESSIONS
 
 # The framework's defaults, written out as a hand-written loop would (tests check they still
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
-class BenchError(Exception):
-    """A run failed or timed out: one line for the user."""
-
-
-# ---- reading results, summary math (pure) --------------------------------------------------
-
-def parse_history(path: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """history.jsonl -> (stamps, losses), both keyed by optimizer steps completed (1-based).
-
-    The row carrying ``train/loss`` with history step ``s`` is written after optimizer step
-    ``s + 1``; the first such row of a step counts (the LR monitor's row of the same step is
-    written at the batch's start, one step earlier, and is skipped)."""
-    stamps: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    for line in Path(path).read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-        if not isinstance(row, dict) or "train/loss" not in row or row.get("step") is None:
-            continue
-        done = int(row["step"]) + 1
-        if done not in stamps:
-            stamps[done] = float(row["time"])
-            losses[done] = float(row["train/loss"])
-    return stamps, losses
-
-
-def mean_step_ms(stamps: dict[int, float], warmup: int, steps: int) -> float:
-    """Mean step time over steps (warmup, warmup + steps], in ms."""
-    end = warmup + steps
-    missing = [s for s in (warmup, end) if s not in stamps]
-    if missing:
-        raise BenchError(f"no time stamp after step(s) {missing}; stamps cover {sorted(stamps)[:3]}..")
-    return (stamps[end] - stamps[warmup]) / steps * 1000.0
-
-
-def block_ms(stamps: dict[int, float], warmup: int, steps: int, block: int = LOG_EVERY) -> list[float]:
-    """Mean step time of each consecutive ``block``-step block in (warmup, warmup + steps], in ms.
-    The fastest block is a noise check: on a shared machine it is the least disturbed stretch."""
-    return [(stamps[s + block] - stamps[s]) / block * 1000.0 for s in range(warmup, warmup + steps, block)
-            if s in stamps and s + block in stamps]
-
-
-def round_order(r: int, sides: tuple[str, ...] | list[str] = ("raw", "framework")) -> list[str]:
-    """Round r runs the sides in list order rotated by r (two sides: they alternate)."""
-    k = r % len(sides)
-    return [*sides[k:], *sides[:k]]
-
-
-def side_summary(rounds: list[dict[str, Any]], side: str) -> dict[str, Any]:
-    """Wall and CPU ratios of one framework side to the raw loop of the same round, medians over rounds.
-    CPU is the sum of every rank's user+sys over the same step window as wall time."""
-    wall = [r["sides"][side]["ms"] / r["sides"]["raw"]["ms"] - 1.0 for r in rounds]
-    cpu = [r["sides"][side]["cpu_ms"] / r["sides"]["raw"]["cpu_ms"] - 1.0 for r in rounds]
-    med = statistics.median
-    return {"wall_ms": med(r["sides"][side]["ms"] for r in rounds), "wall_overheads": wall,
-            "wall_overhead": med(wall), "cpu_ms": med(r["sides"][side]["cpu_ms"] for r in rounds),
-            "cpu_overheads": cpu, "cpu_overhead": med(cpu)}
-
-
-def summarize(rounds: list[dict[str, float]], target: float = TARGET) -> dict[str, Any]:
-    """Per-round overhead = framework / raw - 1; the median over rounds is the result."""
-    overheads = [r["framework_ms"] / r["raw_ms"] - 1.0 for r in rounds]
-    median = statistics.median(overheads)
-    best = [min(r["framework_blocks_ms"]) / min(r["raw_blocks_ms"]) - 1.0 for r in rounds
-            if r.get("framework_blocks_ms") and r.get("raw_blocks_ms")]
-    return {"overheads": overheads, "overhead": median, "target_met": median <= target,
-            "overhead_fastest_blocks": statistics.median(best) if best else None,
-            "raw_ms": statistics.median(r["raw_ms"] for r in rounds),
-            "framework_ms": statistics.median(r["framework_ms"] for r in rounds)}
-
-
 # ---- running both sides (the driver) --------------------------------------------------------
 
 def _env(ranks: int) -> dict[str, str]:
@@ -156,62 +85,6 @@ def _env(ranks: int) -> dict[str, str]:
     here = str(Path(__file__).resolve().parent)  # cpu_clock.CpuClock, for train.py and its child ranks
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
-
-
-def run_supervised(cmd: list[str], log_path: Path, timeout: float, env: dict[str, str]) -> float:
-    """Run cmd in its own session, return its wall seconds; on error, timeout or Ctrl-C stop it
-    and every descendant seen while it ran (torchrun starts its workers in sessions of their own)."""
-    import psutil
-
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    seen: dict[int, psutil.Process] = {}
-    started = time.monotonic()
-    deadline = started + timeout
-    try:
-        while True:
-            try:
-                seen.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-            try:
-                proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"timed out after {timeout:.0f} s: {' '.join(cmd[:4])} ..; log: {log_path}")
-    finally:
-        _stop(proc, list(seen.values()))
-    if proc.returncode != 0:
-        raise BenchError(f"exit {proc.returncode}: {' '.join(cmd[:4])} ..; log: {log_path}")
-    return time.monotonic() - started
-
-
-def _stop(proc: subprocess.Popen, descendants: list[Any]) -> None:
-    import psutil
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in descendants if p.is_running()]  # is_running: pid not reused
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        for p in alive:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        psutil.wait_procs(alive, timeout=5)
-        if proc.poll() is not None and not any(p.is_running() for p in descendants):
-            return
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -308,47 +181,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "model": {**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers},
             "omp_num_threads": {r: max(1, (os.cpu_count() or 1) // r) for r in args.ranks},
             "results": results, "wall_s": round(time.time() - started, 1)}
-
-
-def results_md(report: dict[str, Any]) -> str:
-    m, w, n = report["machine"], report["warmup"], report["steps"]
-    pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731
-    lines = [f"# Framework vs hand-written DeepSpeed loop ({m['date']})", "",
-             f"{m['cpu']}, {m['cores']} cores, git {m['git']}; mean step time over steps ({w}, {w + n}], "
-             f"ZeRO-2, fp32; wall time {report['wall_s']:.0f} s.", "",
-             "| ranks | raw ms/step | framework ms/step | overhead (median) | per round: raw / framework ms, overhead "
-             f"| fastest 10-step blocks (noise check) | target <= {report['target']:.0%} met? |",
-             "|---|---|---|---|---|---|---|"]
-    for res in report["results"]:
-        per_round = "; ".join(f"r{r['round']} ({r['order'][0]} first): {r['raw_ms']:.1f} / {r['framework_ms']:.1f}, "
-                              f"{o:+.1%}" for r, o in zip(res["rounds"], res["overheads"]))
-        lines.append(f"| {res['ranks']} | {res['raw_ms']:.1f} | {res['framework_ms']:.1f} | {pct(res['overhead'])} "
-                     f"| {per_round} | {pct(res.get('overhead_fastest_blocks'))} "
-                     f"| {'yes' if res['target_met'] else 'no'} |")
-    lines += ["", f"Loss (rank 0's CE) at steps {w} / {w + n}, round 0, and the largest difference over all rounds:",
-              "", "| ranks | raw | framework | max abs difference |", "|---|---|---|---|"]
-    for res in report["results"]:
-        loss = res["rounds"][0]["loss"]
-        fmt = lambda d: " / ".join(f"{v:.6f}" if v is not None else "-" for v in d.values())  # noqa: E731
-        diffs = [abs(r["loss"]["raw"][s] - r["loss"]["framework"][s]) for r in res["rounds"] for s in r["loss"]["raw"]
-                 if r["loss"]["raw"][s] is not None and r["loss"]["framework"].get(s) is not None]
-        lines.append(f"| {res['ranks']} | {fmt(loss['raw'])} | {fmt(loss['framework'])} "
-                     f"| {max(diffs):.2g} |" if diffs else f"| {res['ranks']} | {fmt(loss['raw'])} | "
-                     f"{fmt(loss['framework'])} | - |")
-    lines += ["", "Wall and CPU time per step (CPU: user+sys of every rank over the same window, summed; median of "
-              "the rounds; overhead = side / raw loop of the same round - 1):", "",
-              "| ranks | side | wall ms/step | CPU ms/step | wall overhead | CPU overhead | per round wall / CPU |",
-              "|---|---|---|---|---|---|---|"]
-    for res in report["results"]:
-        if not res.get("variants"):
-            continue
-        raw_cpu = statistics.median(r["sides"]["raw"]["cpu_ms"] for r in res["rounds"])
-        lines.append(f"| {res['ranks']} | raw | {res['raw_ms']:.1f} | {raw_cpu:.1f} | | | |")
-        for v, vs in res["variants"].items():
-            per = ", ".join(f"{w:+.1%} / {c:+.1%}" for w, c in zip(vs["wall_overheads"], vs["cpu_overheads"]))
-            lines.append(f"| {res['ranks']} | {v} | {vs['wall_ms']:.1f} | {vs['cpu_ms']:.1f} | {pct(vs['wall_overhead'])} "
-                         f"| {pct(vs['cpu_overhead'])} | {per} |")
-    return "\n".join(lines) + "\n"
 
 
 # ---- command line ---------------------------------------------------------------------------
