@@ -41,9 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
