@@ -56,12 +56,18 @@ def window(stamps: dict[int, dict[str, Any]], start: int, end: int, rank: int, t
 
 
 class CpuClock(Callback):
-    def __init__(self, out: str, start: int, end: int, ablate: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, out: str, start: int, end: int, ablate: list[str] | tuple[str, ...] = (),
+                 profile: bool = False) -> None:
         bad = [a for a in ablate if a not in ABLATIONS]
         if bad:
             raise ValueError(f"cpu_clock.ablate: {bad[0]!r} is not valid; valid: {', '.join(ABLATIONS)}")
         self.out, self.start, self.end, self.ablate = Path(out), int(start), int(end), list(ablate)
         self.stamps: dict[int, dict[str, Any]] = {}
+        self.profiler: Any = None
+        if profile:  # cProfile of the main thread over the window: where the CPU goes (slows Python down)
+            import cProfile
+
+            self.profiler = cProfile.Profile()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if "lightning_sigterm" in self.ablate:  # every rank has this callback: all skip it together
@@ -71,6 +77,8 @@ class CpuClock(Callback):
         step = trainer.global_step  # optimizer steps completed
         if step in (self.start, self.end) and step not in self.stamps:
             self.stamps[step] = stamp()
+            if self.profiler is not None:
+                self.profiler.enable() if step == self.start else self.profiler.disable()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         import torch
@@ -79,6 +87,8 @@ class CpuClock(Callback):
             self.out.mkdir(parents=True, exist_ok=True)
             record = window(self.stamps, self.start, self.end, trainer.global_rank, torch.get_num_threads())
             (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+            if self.profiler is not None:
+                self.profiler.dump_stats(str(self.out / f"rank{trainer.global_rank}.prof"))
 
 
 def read_ranks(out: Path) -> list[dict[str, Any]]:

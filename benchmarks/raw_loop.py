@@ -105,6 +105,11 @@ def raw_main(args: argparse.Namespace) -> None:
                                            config=DS_CONFIG)
     stamps: dict[int, float] = {}
     cpu_stamps: dict[int, dict] = {}
+    profiler = None
+    if os.environ.get("BENCH_PROFILE") == "1":
+        import cProfile
+
+        profiler = cProfile.Profile()
     losses: dict[int, float] = {}
     step, epoch = 0, 0
     while step < args.total_steps:
@@ -122,11 +127,15 @@ def raw_main(args: argparse.Namespace) -> None:
                 stamps[step] = time.time()
             if step in (args.warmup, args.total_steps):
                 cpu_stamps[step] = cpu_clock.stamp()
+                if profiler is not None:  # BENCH_PROFILE=1: cProfile over the window, as CpuClock(profile=true)
+                    profiler.enable() if step == args.warmup else profiler.disable()
             if step == args.total_steps:
                 break
         epoch += 1
     cpu = (cpu_clock.window(cpu_stamps, args.warmup, args.total_steps, rank, torch.get_num_threads())
            if args.warmup in cpu_stamps and args.total_steps in cpu_stamps and args.warmup < args.total_steps else None)
+    if profiler is not None:
+        profiler.dump_stats(f"{args.result}.rank{rank}.prof")
     every_rank: list = [None] * world
     dist.all_gather_object(every_rank, cpu)  # every rank
     if rank == 0:
