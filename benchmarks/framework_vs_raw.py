@@ -229,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=_ranks, default=[1, 2], help="comma-separated rank counts (default 1,2)")
     p.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds per rank count (default 2)")
     p.add_argument("--steps", type=_multiple_of_log_every, default=50, help="timed steps N (default 50)")
-    p.add_argument("--warmup", type=_multiple_of_log_every, default=10, help="untimed first steps W (default 10)")
+    p.add_argument("--warmup", type=_positive, default=10, help="untimed first steps W (default 10)")
     p.add_argument("--out", default=str(REPO / "logs" / "bench" / "framework_vs_raw"), help="output directory")
     p.add_argument("--port", type=_positive, default=29561, help="first torchrun master port (default 29561)")
     p.add_argument("--timeout", type=_positive, default=600, help="seconds per run before it is killed (default 600)")
@@ -250,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--layers {args.layers}: need >= 2 (layer 0 is dense; the MoE loss needs a MoE layer)")
     if not 1024 <= args.port <= 65535 - 2 * len(args.ranks) * args.rounds:
         p.error(f"--port {args.port} must be in 1024..{65535 - 2 * len(args.ranks) * args.rounds}")
+    if not args.raw and args.warmup % LOG_EVERY:  # the raw worker may stamp any window
+        p.error(f"argument --warmup: '{args.warmup}' must be a multiple of {LOG_EVERY} (train.py logs every "
+                f"{LOG_EVERY} steps)")
     if args.raw and not args.result:
         p.error("--raw needs --result PATH")
     return args
