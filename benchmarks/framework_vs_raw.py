@@ -8,27 +8,28 @@ seed 42), the KJV train blocks (8 x 128 per rank, DistributedSampler shuffled wi
 AdamW with the framework's param groups + warmup-cosine schedule, clipping 1.0, ZeRO stage 2
 with the zero_optimization dict Lightning's DeepSpeedStrategy(stage=2) produces, fp32.
 
-* raw: this file with ``--raw``, launched by torchrun: ``deepspeed.initialize`` and a for-loop
-  (``engine(batch)`` / ``engine.backward`` / ``engine.step``); the loss is CE on shifted labels +
-  0.01 x the MoE load-balancing loss, computed with the model-side helpers
-  (``dsdebug.models.moe_aux.RouterCapture`` / ``load_balancing_loss``), the same formula as
-  ``CausalLMModule._losses``. It prints the loss every 10 steps and stamps ``time.time()`` after
-  every optimizer step from ``--warmup`` on.
+* raw: ``raw_loop.py`` (this file with ``--raw``, launched by torchrun): ``deepspeed.initialize``
+  and a for-loop, the same loss code; it stamps ``time.time()`` after every optimizer step.
 * framework: ``train.py debug=none strategy=zero2 trainer=cpu|ddp_sim trainer.max_steps=W+N
   export.fp32=false export.hf=false`` as a user runs it (progress bar, TensorBoard, LR monitor,
   sanity validation before step 1). Its stamps are the ``time`` of history.jsonl's ``train/loss``
   rows: Lightning writes the row of history step ``s`` (0-based batch index) at the end of that
   batch, i.e. after optimizer step ``s + 1`` -- the raw loop's stamp point.
+* CPU time (issue 16): every rank's user+sys over the same steps (W, W+N], from ``cpu_clock.py``
+  on both sides (a callback added on the command line for train.py); summed over ranks. Wall
+  time moves with the neighbours on a shared machine, CPU time far less.
+* ``--variants``: framework ablations run in the same interleaved rounds (``VARIANTS``), each
+  switching one suspect of the 2-rank cost off.
 
 Steady state: mean step time over steps (W, W+N] (W=10, N=50 by default); overhead =
-framework / raw - 1. Rounds alternate the order (even: raw first, odd: framework first); the
-reported overhead is the median of the per-round values; the overhead of each side's fastest
+framework / raw - 1. Round r runs the sides in list order rotated by r (two sides alternate); the
+reported overhead is the median of the per-round values, for wall and for CPU time; the overhead of each side's fastest
 10-step block is a noise check. Target: <= 3 %. Both sides get OMP_NUM_THREADS = cores // ranks
 (what Lightning and torchrun pick by themselves when it is unset). The two compute the same
 thing: their losses agree bit for bit (1 and 2 ranks; results.md shows the difference).
-Caveat for shared machines: torchrun starts each worker in its own session, and with Linux
-autogroup scheduling a session is a CPU-share group, so under outside load raw 2-rank workers
-get more CPU than train.py's two ranks (one session). Run it on a quiet machine.
+Placement: torchrun starts each worker in its own session, and with Linux autogroup scheduling a
+session is a CPU-share group; train.py's child ranks now get sessions of their own too (variant
+``one_session``: the old placement, both ranks in one share).
 Writes results.json and results.md under --out; every run's log under --out/runs/ (the
 framework runs' final checkpoints are deleted once read).
 Default run (2 x 2 rounds x 2 sides, N=50): ~5.4 min on a quiet 2-core box; --steps 30: ~4.3 min (estimated).
@@ -40,191 +41,37 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_clock  # noqa: E402
 import harness  # noqa: E402  (puts the repo on sys.path)
+import raw_loop  # noqa: E402
+from framework_vs_raw_report import (LOG_EVERY, TARGET, block_ms, mean_step_ms, parse_history,  # noqa: E402,F401
+                                     results_md, round_order, side_summary, summarize)
+from supervise import BenchError, run_supervised  # noqa: E402,F401
+from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, DS_CONFIG, EPS, GRAD_CLIP, LR, MIN_LR_RATIO, MODEL,  # noqa: E402,F401
+                      SEED, SEQ_LEN, VOCAB, WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 REPO = harness.REPO
-TARGET = 0.03
-LOG_EVERY = 10  # trainer.log_every_n_steps default: framework stamps exist every 10 steps
+# Framework variants (--variants): train.py as a user runs it, and ablations that each switch one
+# suspect of the 2-rank cost off (issue 16). Each is a list of extra overrides.
+_NO_PL_SIGTERM = ["+callbacks.cpu_clock.ablate=[lightning_sigterm]"]
+VARIANTS: dict[str, list[str]] = {
+    "framework": [],
+    "no_preemption": ["preemption.enabled=false"],  # our per-step any_rank all-reduce
+    "no_pl_sigterm": _NO_PL_SIGTERM,  # Lightning's per-step SIGTERM broadcast
+    "no_collectives": ["preemption.enabled=false", *_NO_PL_SIGTERM],  # both
+    "no_progress_bar": ["trainer.enable_progress_bar=false"],
+    "one_session": [],  # placement as before issue 16: rank 1 in rank 0's session (env below)
+}
+VARIANT_ENV: dict[str, dict[str, str]] = {"one_session": {"DSDEBUG_RANK_SESSIONS": "0"}}
 
 # The framework's defaults, written out as a hand-written loop would (tests check they still
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
-SEED = 42
-BATCH_SIZE, SEQ_LEN, VOCAB = 8, 128, 4096
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
-WARMUP_RATIO, MIN_LR_RATIO, GRAD_CLIP, AUX_COEF = 0.1, 0.1, 1.0, 0.01
-MODEL = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=SEQ_LEN)
-# Dumped from a framework run (trainer.strategy.config after setup, strategy=zero2): Lightning's
-# DeepSpeedStrategy(stage=2) defaults. Lightning also passes `activation_checkpointing` (all
-# false) and `aio` (NVMe offload settings): neither does anything here, so they are left out.
-ZERO2 = {
-    "stage": 2,
-    "contiguous_gradients": True,
-    "overlap_comm": True,
-    "allgather_partitions": True,
-    "reduce_scatter": True,
-    "allgather_bucket_size": 200_000_000,
-    "reduce_bucket_size": 200_000_000,
-    "sub_group_size": 1_000_000_000_000,
-}
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": BATCH_SIZE,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": GRAD_CLIP,
-    "zero_allow_untested_optimizer": True,  # a torch AdamW under ZeRO, as Lightning allows
-    "zero_optimization": ZERO2,
-}
-
-
-class BenchError(Exception):
-    """A run failed or timed out: one line for the user."""
-
-
-# ---- the hand-written loop (every rank, under torchrun) -------------------------------------
-
-def raw_main(args: argparse.Namespace) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import random
-
-    import deepspeed
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from dsdebug.data.corpus import KJVCorpus
-    from dsdebug.data.datamodule import LMDataModule
-    from dsdebug.models.deepseek import build_deepseek_v3
-    from dsdebug.models.moe_aux import RouterCapture, load_balancing_loss
-    from dsdebug.models.optim import param_groups, warmup_cosine
-
-    class LossModel(torch.nn.Module):
-        """CE on shifted labels + AUX_COEF x MoE balance loss (the model-side helpers)."""
-
-        def __init__(self, net: torch.nn.Module) -> None:
-            super().__init__()
-            self.net = net
-            self.capture = RouterCapture(net).attach()
-
-        def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.net(input_ids=batch["input_ids"]).logits
-            aux = load_balancing_loss(self.capture.collect(), self.capture.num_experts, self.capture.top_k)
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                 batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
-            return ce + AUX_COEF * aux, ce
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    random.seed(SEED)  # what L.seed_everything(42) does before train.py builds the net
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
-    net = build_deepseek_v3(**{**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers})
-    model = LossModel(net)
-    cache = Path(os.environ.get("DSDEBUG_CACHE_DIR", REPO / ".cache")) / "data"
-    data = LMDataModule(KJVCorpus(granularity="chapter"), vocab_size=VOCAB, seq_len=SEQ_LEN,
-                        batch_size=BATCH_SIZE, seed=SEED, cache_dir=str(cache))
-    data.setup("fit")  # only for its tokenized, packed train blocks
-    sampler = DistributedSampler(data.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
-    loader = DataLoader(data.train_dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.AdamW(param_groups(net.named_parameters()), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
-    scheduler = warmup_cosine(optimizer, total_steps=args.total_steps, warmup_ratio=WARMUP_RATIO,
-                              min_lr_ratio=MIN_LR_RATIO)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=DS_CONFIG)
-    stamps: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    step, epoch = 0, 0
-    while step < args.total_steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            total, ce = engine(batch)
-            engine.backward(total)
-            engine.step()  # clip, update, LR schedule
-            step += 1
-            if step % args.log_every == 0:
-                losses[step] = ce.item()
-                if rank == 0:
-                    print(f"step {step} loss {losses[step]:.4f}", flush=True)
-            if step >= args.warmup:
-                stamps[step] = time.time()
-            if step == args.total_steps:
-                break
-        epoch += 1
-    if rank == 0:
-        harness.write_json(Path(args.result), {"stamps": stamps, "losses": losses, "world_size": world,
-                                               "threads": torch.get_num_threads()})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-# ---- reading results, summary math (pure) --------------------------------------------------
-
-def parse_history(path: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """history.jsonl -> (stamps, losses), both keyed by optimizer steps completed (1-based).
-
-    The row carrying ``train/loss`` with history step ``s`` is written after optimizer step
-    ``s + 1``; the first such row of a step counts (the LR monitor's row of the same step is
-    written at the batch's start, one step earlier, and is skipped)."""
-    stamps: dict[int, float] = {}
-    losses: dict[int, float] = {}
-    for line in Path(path).read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-        if not isinstance(row, dict) or "train/loss" not in row or row.get("step") is None:
-            continue
-        done = int(row["step"]) + 1
-        if done not in stamps:
-            stamps[done] = float(row["time"])
-            losses[done] = float(row["train/loss"])
-    return stamps, losses
-
-
-def mean_step_ms(stamps: dict[int, float], warmup: int, steps: int) -> float:
-    """Mean step time over steps (warmup, warmup + steps], in ms."""
-    end = warmup + steps
-    missing = [s for s in (warmup, end) if s not in stamps]
-    if missing:
-        raise BenchError(f"no time stamp after step(s) {missing}; stamps cover {sorted(stamps)[:3]}..")
-    return (stamps[end] - stamps[warmup]) / steps * 1000.0
-
-
-def block_ms(stamps: dict[int, float], warmup: int, steps: int, block: int = LOG_EVERY) -> list[float]:
-    """Mean step time of each consecutive ``block``-step block in (warmup, warmup + steps], in ms.
-    The fastest block is a noise check: on a shared machine it is the least disturbed stretch."""
-    return [(stamps[s + block] - stamps[s]) / block * 1000.0 for s in range(warmup, warmup + steps, block)
-            if s in stamps and s + block in stamps]
-
-
-def round_order(r: int) -> list[str]:
-    return ["raw", "framework"] if r % 2 == 0 else ["framework", "raw"]
-
-
-def summarize(rounds: list[dict[str, float]], target: float = TARGET) -> dict[str, Any]:
-    """Per-round overhead = framework / raw - 1; the median over rounds is the result."""
-    overheads = [r["framework_ms"] / r["raw_ms"] - 1.0 for r in rounds]
-    median = statistics.median(overheads)
-    best = [min(r["framework_blocks_ms"]) / min(r["raw_blocks_ms"]) - 1.0 for r in rounds
-            if r.get("framework_blocks_ms") and r.get("raw_blocks_ms")]
-    return {"overheads": overheads, "overhead": median, "target_met": median <= target,
-            "overhead_fastest_blocks": statistics.median(best) if best else None,
-            "raw_ms": statistics.median(r["raw_ms"] for r in rounds),
-            "framework_ms": statistics.median(r["framework_ms"] for r in rounds)}
-
-
 # ---- running both sides (the driver) --------------------------------------------------------
 
 def _env(ranks: int) -> dict[str, str]:
@@ -232,63 +79,9 @@ def _env(ranks: int) -> dict[str, str]:
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
+    here = str(Path(__file__).resolve().parent)  # cpu_clock.CpuClock, for train.py and its child ranks
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
-
-
-def run_supervised(cmd: list[str], log_path: Path, timeout: float, env: dict[str, str]) -> float:
-    """Run cmd in its own session, return its wall seconds; on error, timeout or Ctrl-C stop it
-    and every descendant seen while it ran (torchrun starts its workers in sessions of their own)."""
-    import psutil
-
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    seen: dict[int, psutil.Process] = {}
-    started = time.monotonic()
-    deadline = started + timeout
-    try:
-        while True:
-            try:
-                seen.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-            try:
-                proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"timed out after {timeout:.0f} s: {' '.join(cmd[:4])} ..; log: {log_path}")
-    finally:
-        _stop(proc, list(seen.values()))
-    if proc.returncode != 0:
-        raise BenchError(f"exit {proc.returncode}: {' '.join(cmd[:4])} ..; log: {log_path}")
-    return time.monotonic() - started
-
-
-def _stop(proc: subprocess.Popen, descendants: list[Any]) -> None:
-    import psutil
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in descendants if p.is_running()]  # is_running: pid not reused
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        for p in alive:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        psutil.wait_procs(alive, timeout=5)
-        if proc.poll() is not None and not any(p.is_running() for p in descendants):
-            return
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -309,93 +102,82 @@ def run_raw(args: argparse.Namespace, ranks: int, run_dir: Path, port: int) -> d
     data = json.loads(result.read_text())
     stamps = {int(k): v for k, v in data["stamps"].items()}
     return {"ms": mean_step_ms(stamps, args.warmup, args.steps), "wall_s": wall,
+            **cpu_clock.summarize_ranks(data["cpu"], args.steps),
             "blocks_ms": block_ms(stamps, args.warmup, args.steps),
             "losses": {int(k): v for k, v in data["losses"].items()}}
 
 
-def framework_command(args: argparse.Namespace, ranks: int, log_dir: Path) -> list[str]:
+def framework_command(args: argparse.Namespace, ranks: int, log_dir: Path, variant: str = "framework",
+                      clock_dir: Path | None = None) -> list[str]:
     trainer = ["trainer=cpu"] if ranks == 1 else ["trainer=ddp_sim", f"trainer.devices={ranks}"]
+    clock = [] if clock_dir is None else [
+        "+callbacks.cpu_clock._target_=cpu_clock.CpuClock", f"+callbacks.cpu_clock.out={clock_dir}",
+        f"+callbacks.cpu_clock.start={args.warmup}", f"+callbacks.cpu_clock.end={args.warmup + args.steps}"]
     return [sys.executable, str(REPO / "train.py"), "debug=none", "strategy=zero2", *trainer,
             f"trainer.max_steps={args.warmup + args.steps}", "export.fp32=false", "export.hf=false",
-            f"paths.log_dir={log_dir}", *model_overrides(args)]
+            f"paths.log_dir={log_dir}", *model_overrides(args), *clock, *VARIANTS[variant]]
 
 
-def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path) -> dict[str, Any]:
-    log_dir = run_dir / "framework"
-    shutil.rmtree(log_dir, ignore_errors=True)  # an earlier benchmark's run (ours, under --out) would be read twice
-    wall = run_supervised(framework_command(args, ranks, log_dir), run_dir / "framework.log", args.timeout,
-                          _env(ranks))
+def run_framework(args: argparse.Namespace, ranks: int, run_dir: Path, variant: str = "framework") -> dict[str, Any]:
+    log_dir, clock_dir = run_dir / variant, run_dir / f"{variant}_cpu"
+    for d in (log_dir, clock_dir):  # an earlier benchmark's run (ours, under --out) would be read twice
+        shutil.rmtree(d, ignore_errors=True)
+    wall = run_supervised(framework_command(args, ranks, log_dir, variant, clock_dir), run_dir / f"{variant}.log",
+                          args.timeout, {**_env(ranks), **VARIANT_ENV.get(variant, {})})
+    clock = cpu_clock.read_ranks(clock_dir)
+    if len(clock) != ranks:
+        raise BenchError(f"expected {ranks} CPU records under {clock_dir}, found {len(clock)}")
     histories = sorted(log_dir.glob("*/runs/*/history.jsonl"))
     if len(histories) != 1:
         raise BenchError(f"expected one history.jsonl under {log_dir}, found {len(histories)}")
     stamps, losses = parse_history(histories[0])
     shutil.rmtree(histories[0].parent / "checkpoints", ignore_errors=True)  # ~130 MB each, never read
     return {"ms": mean_step_ms(stamps, args.warmup, args.steps), "wall_s": wall, "losses": losses,
-            "blocks_ms": block_ms(stamps, args.warmup, args.steps), "history": str(histories[0])}
+            "blocks_ms": block_ms(stamps, args.warmup, args.steps), "history": str(histories[0]),
+            **cpu_clock.summarize_ranks(clock, args.steps)}
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     out = Path(args.out)
     results, port = [], args.port
+    sides = ("raw", *args.variants)
     for ranks in args.ranks:
         rounds = []
         for r in range(args.rounds):
             run_dir = out / "runs" / f"ranks{ranks}_round{r}"
             got = {}
-            for side in round_order(r):
+            for side in round_order(r, sides):
                 print(f"ranks {ranks} round {r}: {side} ..", flush=True)
                 if side == "raw":
                     got[side] = run_raw(args, ranks, run_dir, port)
                 else:
-                    got[side] = run_framework(args, ranks, run_dir)
+                    got[side] = run_framework(args, ranks, run_dir, side)
                 port += 1
             end = args.warmup + args.steps
-            rounds.append({"round": r, "order": round_order(r), "raw_ms": got["raw"]["ms"],
+            keep = ("ms", "cpu_ms", "cpu_ms_per_rank", "torch_threads", "threads_cpu_s", "blocks_ms")
+            rounds.append({"round": r, "order": round_order(r, sides), "raw_ms": got["raw"]["ms"],
                            "framework_ms": got["framework"]["ms"],
                            "raw_blocks_ms": got["raw"]["blocks_ms"],
                            "framework_blocks_ms": got["framework"]["blocks_ms"],
+                           "sides": {side: {k: got[side][k] for k in keep} for side in got},
                            "wall_s": {side: round(got[side]["wall_s"], 1) for side in got},
                            "loss": {side: {s: got[side]["losses"].get(s) for s in (args.warmup, end)}
                                     for side in ("raw", "framework")}})
-            print(f"  raw {got['raw']['ms']:.1f} ms/step, framework {got['framework']['ms']:.1f} ms/step, "
-                  f"overhead {got['framework']['ms'] / got['raw']['ms'] - 1:+.1%}; loss@{args.warmup}/{end} "
+            print(f"  raw {got['raw']['ms']:.1f} ms/step (CPU {got['raw']['cpu_ms']:.1f}); "
+                  + "; ".join(f"{v} {got[v]['ms']:.1f} (CPU {got[v]['cpu_ms']:.1f}) "
+                              f"{got[v]['ms'] / got['raw']['ms'] - 1:+.1%} / CPU {got[v]['cpu_ms'] / got['raw']['cpu_ms'] - 1:+.1%}"
+                              for v in args.variants)
+                  + f"; loss@{args.warmup}/{end} "
                   + "  ".join(f"{s} {got[s]['losses'].get(args.warmup, float('nan')):.4f}/"
                               f"{got[s]['losses'].get(end, float('nan')):.4f}" for s in ("raw", "framework")),
                   flush=True)
-        results.append({"ranks": ranks, "rounds": rounds, **summarize(rounds)})
+        results.append({"ranks": ranks, "rounds": rounds, **summarize(rounds),
+                        "variants": {v: side_summary(rounds, v) for v in args.variants}})
     return {"machine": harness.machine_info(), "target": TARGET, "warmup": args.warmup, "steps": args.steps,
             "model": {**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers},
             "omp_num_threads": {r: max(1, (os.cpu_count() or 1) // r) for r in args.ranks},
             "results": results, "wall_s": round(time.time() - started, 1)}
-
-
-def results_md(report: dict[str, Any]) -> str:
-    m, w, n = report["machine"], report["warmup"], report["steps"]
-    pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731
-    lines = [f"# Framework vs hand-written DeepSpeed loop ({m['date']})", "",
-             f"{m['cpu']}, {m['cores']} cores, git {m['git']}; mean step time over steps ({w}, {w + n}], "
-             f"ZeRO-2, fp32; wall time {report['wall_s']:.0f} s.", "",
-             "| ranks | raw ms/step | framework ms/step | overhead (median) | per round: raw / framework ms, overhead "
-             f"| fastest 10-step blocks (noise check) | target <= {report['target']:.0%} met? |",
-             "|---|---|---|---|---|---|---|"]
-    for res in report["results"]:
-        per_round = "; ".join(f"r{r['round']} ({r['order'][0]} first): {r['raw_ms']:.1f} / {r['framework_ms']:.1f}, "
-                              f"{o:+.1%}" for r, o in zip(res["rounds"], res["overheads"]))
-        lines.append(f"| {res['ranks']} | {res['raw_ms']:.1f} | {res['framework_ms']:.1f} | {pct(res['overhead'])} "
-                     f"| {per_round} | {pct(res.get('overhead_fastest_blocks'))} "
-                     f"| {'yes' if res['target_met'] else 'no'} |")
-    lines += ["", f"Loss (rank 0's CE) at steps {w} / {w + n}, round 0, and the largest difference over all rounds:",
-              "", "| ranks | raw | framework | max abs difference |", "|---|---|---|---|"]
-    for res in report["results"]:
-        loss = res["rounds"][0]["loss"]
-        fmt = lambda d: " / ".join(f"{v:.6f}" if v is not None else "-" for v in d.values())  # noqa: E731
-        diffs = [abs(r["loss"]["raw"][s] - r["loss"]["framework"][s]) for r in res["rounds"] for s in r["loss"]["raw"]
-                 if r["loss"]["raw"][s] is not None and r["loss"]["framework"].get(s) is not None]
-        lines.append(f"| {res['ranks']} | {fmt(loss['raw'])} | {fmt(loss['framework'])} "
-                     f"| {max(diffs):.2g} |" if diffs else f"| {res['ranks']} | {fmt(loss['raw'])} | "
-                     f"{fmt(loss['framework'])} | - |")
-    return "\n".join(lines) + "\n"
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -433,16 +215,26 @@ def _ranks(text: str) -> list[int]:
     return ranks
 
 
+def _variants(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: valid: {', '.join(VARIANTS)}")
+    return ["framework", *[x for x in dict.fromkeys(names) if x != "framework"]]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="framework_vs_raw.py", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=_ranks, default=[1, 2], help="comma-separated rank counts (default 1,2)")
     p.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds per rank count (default 2)")
     p.add_argument("--steps", type=_multiple_of_log_every, default=50, help="timed steps N (default 50)")
-    p.add_argument("--warmup", type=_multiple_of_log_every, default=10, help="untimed first steps W (default 10)")
+    p.add_argument("--warmup", type=_positive, default=10, help="untimed first steps W (default 10)")
     p.add_argument("--out", default=str(REPO / "logs" / "bench" / "framework_vs_raw"), help="output directory")
     p.add_argument("--port", type=_positive, default=29561, help="first torchrun master port (default 29561)")
     p.add_argument("--timeout", type=_positive, default=600, help="seconds per run before it is killed (default 600)")
+    p.add_argument("--variants", type=_variants, default=["framework"],
+                   help=f"framework sides, comma-separated (default framework; ablations: {', '.join(list(VARIANTS)[1:])})")
     p.add_argument("--hidden-size", type=_positive, default=MODEL["hidden_size"], help="model width (default 256)")
     p.add_argument("--layers", type=_positive, default=MODEL["num_hidden_layers"], help="decoder layers (default 4)")
     raw = p.add_argument_group("raw worker (run by torchrun; not for direct use)")
@@ -458,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--layers {args.layers}: need >= 2 (layer 0 is dense; the MoE loss needs a MoE layer)")
     if not 1024 <= args.port <= 65535 - 2 * len(args.ranks) * args.rounds:
         p.error(f"--port {args.port} must be in 1024..{65535 - 2 * len(args.ranks) * args.rounds}")
+    if not args.raw and args.warmup % LOG_EVERY:  # the raw worker may stamp any window
+        p.error(f"argument --warmup: '{args.warmup}' must be a multiple of {LOG_EVERY} (train.py logs every "
+                f"{LOG_EVERY} steps)")
     if args.raw and not args.result:
         p.error("--raw needs --result PATH")
     return args
@@ -466,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.raw:
-        raw_main(args)
+        raw_loop.raw_main(args)
         return 0
     out = Path(args.out)
     try:

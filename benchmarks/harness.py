@@ -58,24 +58,42 @@ def compose(overrides: list[str], output_dir: Path) -> Any:
 
 
 class StepTimer:
-    """A Lightning callback recording wall-clock stamps (perf_counter) around training steps."""
+    """A Lightning callback recording wall-clock stamps (perf_counter) around training steps, and
+    the process's CPU time (user + sys of all its threads, ``time.process_time``) at the same
+    points; at the end of fit every rank's CPU step times are gathered (``cpu_by_rank``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # build the Callback subclass lazily
         from lightning.pytorch.callbacks import Callback
 
         class _StepTimer(Callback):
             def __init__(self) -> None:
-                self.t_setup = self.t_train_start = None
+                self.t_setup = self.t_train_start = self.cpu_train_start = None
                 self.ends: list[float] = []
+                self.cpu_ends: list[float] = []
+                self.cpu_by_rank: list[list[float]] = []
 
             def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
                 self.t_setup = time.perf_counter()
 
             def on_train_start(self, trainer: Any, pl_module: Any) -> None:
                 self.t_train_start = time.perf_counter()
+                self.cpu_train_start = time.process_time()
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
                 self.ends.append(time.perf_counter())
+                self.cpu_ends.append(time.process_time())
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                import torch.distributed as dist
+
+                stamps = [self.cpu_train_start, *self.cpu_ends]
+                mine = [b - a for a, b in zip(stamps, stamps[1:])]
+                if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+                    gathered: list[Any] = [None] * trainer.world_size
+                    dist.all_gather_object(gathered, mine)  # COLLECTIVE: every rank, once, after the timed steps
+                    self.cpu_by_rank = gathered
+                else:
+                    self.cpu_by_rank = [mine]
 
             def step_times(self) -> list[float]:
                 stamps = [self.t_train_start, *self.ends]
@@ -144,6 +162,7 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
         "build_s": timer.t_setup - started,
         "setup_s": timer.t_train_start - timer.t_setup,
         "step_s": timer.step_times(),
+        "cpu_step_s": timer.cpu_by_rank,  # per rank, CPU seconds of each step (same steps as step_s)
         # per debug callback, seconds inside its hooks per step (index 0 = setup .. step 0)
         "hook_s": {name: per_step for name, per_step in hook_s.items()},
         "world_size": trainer.world_size,

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -86,52 +84,6 @@ def cell_overrides(cell: str) -> list[str]:
             *([] if ranks in ("1", "2") else [f"trainer.devices={ranks}"])]
 
 
-# ---- worker: one cell, every rank ---------------------------------------------------------
-
-def _global_state() -> dict[str, Any]:
-    """Process-wide state a callback could leave behind after its fit (off must mean zero cost)."""
-    import torch
-    import torch.distributed as dist
-
-    return {
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "threads": sorted(t.name for t in threading.enumerate()),
-        "root_handlers": len(logging.getLogger().handlers),
-        "collectives": {n: id(getattr(dist, n)) for n in ("all_reduce", "all_gather", "broadcast", "barrier")},
-        "sigterm": repr(signal.getsignal(signal.SIGTERM)),
-    }
-
-
-def worker(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    variants = args.variants.split(",")
-    results: dict[str, Any] = {"cell": args.cell, "warmup": args.warmup, "window": args.window, "fits": []}
-    before = None
-    if args.prime:  # the first fit of a process is slower (allocator, lazy imports, thread pools)
-        harness.fit([*cell_overrides(args.cell), "debug=none", *args.override, f"trainer.max_steps={args.prime}"],
-                    out / "runs" / "prime")
-    for r in range(args.rounds):
-        for variant in harness.rotated(variants, r):
-            run_dir = out / "runs" / f"r{r}_{variant}"
-            overrides = [*cell_overrides(args.cell), *variant_overrides(variant), *args.override]
-            cfg = harness.compose([*harness.QUIET, *overrides], run_dir)
-            window = cadence_window(cfg, args.window)
-            fit = harness.fit([*overrides, f"trainer.max_steps={args.warmup + window}"], run_dir)
-            fit["window"], fit["cadences"] = window, list(cadences(cfg))
-            state = _global_state()
-            if before is None:
-                before = state
-            leaked = {k: [before[k], v] for k, v in state.items() if k != "threads" and v != before[k]}
-            new_threads = sorted(set(state["threads"]) - set(before["threads"]))  # one that ended is fine
-            if new_threads:
-                leaked["threads"] = new_threads
-            if fit["rank"] == 0:
-                results["fits"].append({"round": r, "variant": variant, **fit, "leaked": leaked})
-                harness.write_json(out / "cell.json", results)
-            logging.getLogger(__name__).warning("bench %s round %d %s: %s", args.cell, r, variant,
-                                                statistics.fmean(fit["step_s"][args.warmup:]))
-
-
 # ---- driver: cells as subprocesses, then the tables -----------------------------------------
 
 def summarize(cell: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +96,12 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
                                    tuple(fit.get("cadences", ()))), "setup_s": fit["setup_s"],
             "tokens_per_step": fit["tokens_per_step"], "leaked": fit["leaked"],
             "window": fit.get("window", cell["window"]),
+            "cpu_s": window_cpu_s(fit, warmup, fit.get("window", cell["window"])),
             **direct_share(fit, warmup)}
     rows: dict[str, Any] = {}
     variants = {v for fits in by_round.values() for v in fits}
     for variant in sorted(variants, key=lambda v: (PRESETS + CALLBACKS + [v]).index(v)):
-        ratios, medians, oneoffs, means, direct = [], [], [], [], []
+        ratios, medians, oneoffs, means, direct, cpu_ratios, cpus = [], [], [], [], [], [], []
         by_cb: dict[str, list[float]] = {}
         for fits in by_round.values():
             if variant not in fits or "none" not in fits:
@@ -161,6 +114,9 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
             oneoffs.append(extra(v) - extra(n))
             means.append(v["steady_s"])
             direct.append(v["direct"])
+            if v["cpu_s"] and n["cpu_s"]:
+                cpu_ratios.append(v["cpu_s"] / n["cpu_s"] - 1)
+                cpus.append(v["cpu_s"])
             for cb, share in v["direct_by_cb"].items():
                 by_cb.setdefault(cb, []).append(share)
         if not ratios:
@@ -182,9 +138,22 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
             "default_run_direct": statistics.median(direct) + oneoff / (DEFAULT_RUN_STEPS * none_mean),
             "tokens_per_s": tokens / statistics.median(means),
             "rounds": len(ratios),
+            # CPU A/B: user+sys of every rank per window step, summed over ranks, vs none of the same round
+            "cpu_step_ms": 1000 * statistics.median(cpus) if cpus else None,
+            "cpu_steady": statistics.median(cpu_ratios) if cpu_ratios else None,
+            "cpu_steady_min": min(cpu_ratios) if cpu_ratios else None,
+            "cpu_steady_max": max(cpu_ratios) if cpu_ratios else None,
             "leaked": sorted({k for f in by_round.values() if variant in f for k in f[variant]["leaked"]}),
         }
     return rows
+
+
+def window_cpu_s(fit: dict[str, Any], warmup: int, window: int) -> float | None:
+    """Mean CPU seconds per step over the window, summed over every rank (None: an older cell.json)."""
+    per_rank = fit.get("cpu_step_s") or []
+    if not per_rank or any(len(r) < warmup + window for r in per_rank):
+        return None
+    return sum(sum(r[warmup:warmup + window]) for r in per_rank) / window
 
 
 def direct_share(fit: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -225,79 +194,6 @@ def run_cell(cell: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     data["wall_s"] = round(time.time() - started, 1)
     harness.write_json(cell_dir / "cell.json", data)
     return data
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
-
-
-def table(results: dict[str, Any]) -> str:
-    lines = []
-    for cell, data in results["cells"].items():
-        rows = data["summary"]
-        lines += [f"### {cell.replace(':', ', ')} rank(s) ({data['rounds']} rounds, windows after {data['warmup']} "
-                  f"warm-up steps, {data['wall_s']:.0f} s)", "",
-                  "| variant | window | step (ms) | A/B steady (median) | A/B min..max | direct (hooks) | one-off (s) | "
-                  "default run, A/B | default run, direct | target |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for variant, row in rows.items():
-            target = TARGETS.get(variant)
-            verdict = ""
-            if target is not None:
-                verdict = f"<= {100 * target:.0f}%: " + ", ".join(
-                    f"{what} {'met' if row[key] <= target else '**over**'}"
-                    for what, key in (("A/B", "default_run"), ("direct", "default_run_direct")))
-            leak = " (leaked: " + ", ".join(row["leaked"]) + ")" if row["leaked"] else ""
-            lines.append(f"| {variant}{leak} | {row['window']} | {row['step_ms']:.0f} | {pct(row['steady'])} | "
-                         f"{pct(row['steady_min'])}..{pct(row['steady_max'])} | {pct(row['direct'])} | "
-                         f"{row['oneoff_s']:+.2f} | {pct(row['default_run'])} | {pct(row['default_run_direct'])} | "
-                         f"{verdict} |")
-        lines.append("")
-        split = {v: r["direct_by_cb"] for v, r in rows.items() if len(r["direct_by_cb"]) > 1}
-        for variant, by_cb in split.items():
-            lines.append(f"Direct cost inside {variant}: " + ", ".join(
-                f"{cb} {pct(share)}" for cb, share in sorted(by_cb.items(), key=lambda kv: -kv[1])) + ".")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Default-run overhead per variant and cell: the A/B comparison and the direct (hook) cost."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = list(results["cells"])
-    variants = [v for v in PRESETS[1:] + CALLBACKS if any(v in results["cells"][c]["summary"] for c in cells)]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
-    width = 0.8 / max(1, len(cells))
-    for ax, key, title in ((axes[0], "default_run", "A/B: step time vs debug=none (median over rounds; bars: min..max)"),
-                           (axes[1], "default_run_direct", "direct: time inside the debug callbacks' hooks + one-off")):
-        for i, cell in enumerate(cells):
-            rows = results["cells"][cell]["summary"]
-            xs = [j + i * width for j in range(len(variants))]
-            ys = [100 * rows.get(v, {}).get(key, float("nan")) for v in variants]
-            if key == "default_run":  # the spread of the steady part over rounds
-                lo = [100 * (rows[v]["steady"] - rows[v]["steady_min"]) if v in rows else 0 for v in variants]
-                hi = [100 * (rows[v]["steady_max"] - rows[v]["steady"]) if v in rows else 0 for v in variants]
-                ax.bar(xs, ys, width, label=cell, yerr=[lo, hi], capsize=2, error_kw={"lw": 0.7})
-            else:
-                ax.bar(xs, ys, width, label=cell)
-        for name, target in TARGETS.items():
-            ax.axhline(100 * target, ls="--", lw=0.8, color="gray")
-            ax.text(len(variants) - 0.5, 100 * target, f" {name} target", va="bottom", ha="right", fontsize=8)
-        ax.axhline(0, lw=0.6, color="black")
-        ax.set_ylabel("overhead, default run (%)")
-        ax.set_title(title, fontsize=10)
-    axes[1].set_xticks([j + width * (len(cells) - 1) / 2 for j in range(len(variants))], variants, rotation=30,
-                       ha="right")
-    axes[0].legend(title="stage:ranks", fontsize=8)
-    fig.suptitle("Cost of debugging over a default 300-step run", fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -360,6 +256,8 @@ def check_configs(args: argparse.Namespace, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
+        from overhead_worker import worker
+
         worker(args)
         return 0
     out = Path(args.out)
@@ -371,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         results["cells"][cell] = {"rounds": args.rounds, "warmup": args.warmup, "window": args.window,
                                   "wall_s": data["wall_s"], "summary": summarize(data)}
         harness.write_json(out / "overhead.json", results)
+    from overhead_report import plot, table
+
     md = table(results)
     (out / "overhead.md").write_text(md)
     plot(results, out / "overhead.png")

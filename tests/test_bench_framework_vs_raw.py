@@ -20,6 +20,7 @@ import pytest
 from tests.conftest import REPO, only_run_dir
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import cpu_clock  # noqa: E402
 import framework_vs_raw as fvr  # noqa: E402
 import harness  # noqa: E402
 
@@ -91,6 +92,40 @@ def test_raw_constants_mirror_the_default_config(tmp_path):
     assert DebugDeepSpeedStrategy(stage=2).config["zero_optimization"] == fvr.ZERO2
 
 
+def test_cpu_window_and_side_summary_report_wall_and_cpu_ratios():
+    stamps = {10: {"wall": 100.0, "cpu": 5.0, "threads": {"MainThread": 4.0, "rank-liveness": 0.01}},
+              30: {"wall": 110.0, "cpu": 12.0, "threads": {"MainThread": 10.5, "rank-liveness": 0.02, "new": 0.3}}}
+    rec = cpu_clock.window(stamps, 10, 30, rank=1, threads=1)
+    assert (rec["wall_s"], rec["cpu_s"], rec["rank"]) == (10.0, 7.0, 1)
+    assert rec["threads_cpu_s"] == {"MainThread": 6.5, "rank-liveness": 0.01, "new": 0.3}  # deltas over the window
+    s = cpu_clock.summarize_ranks([{**rec, "rank": 0}, rec], steps=20)
+    assert s["wall_ms"] == 500.0 and s["cpu_ms_per_rank"] == [350.0, 350.0] and s["cpu_ms"] == 700.0
+    assert cpu_clock.stamp(threads=False).keys() == {"wall", "cpu"}
+    assert cpu_clock.thread_cpu()["MainThread"] > 0
+
+    assert fvr.round_order(1, ("raw", "framework", "no_preemption")) == ["framework", "no_preemption", "raw"]
+    rounds = [{"sides": {"raw": {"ms": 100.0, "cpu_ms": 200.0}, "framework": {"ms": 110.0, "cpu_ms": 204.0}}},
+              {"sides": {"raw": {"ms": 200.0, "cpu_ms": 200.0}, "framework": {"ms": 204.0, "cpu_ms": 202.0}}},
+              {"sides": {"raw": {"ms": 100.0, "cpu_ms": 100.0}, "framework": {"ms": 103.0, "cpu_ms": 110.0}}}]
+    v = fvr.side_summary(rounds, "framework")
+    assert v["wall_overheads"] == pytest.approx([0.10, 0.02, 0.03]) and v["wall_overhead"] == pytest.approx(0.03)
+    assert v["cpu_overheads"] == pytest.approx([0.02, 0.01, 0.10]) and v["cpu_overhead"] == pytest.approx(0.02)
+    assert (v["wall_ms"], v["cpu_ms"]) == (110.0, 202.0)
+
+
+def test_variants_flag_keeps_framework_first_and_names_the_valid_ones(capsys):
+    assert fvr.parse_args(["--variants", "no_preemption,framework,no_preemption"]).variants == \
+        ["framework", "no_preemption"]
+    with pytest.raises(SystemExit):
+        fvr.parse_args(["--variants", "nope"])
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "no_collectives" in err and err.count("\n") == 1
+    cmd = fvr.framework_command(fvr.parse_args(["--variants", "no_collectives"]), 2, Path("/x"), "no_collectives",
+                                Path("/c"))
+    assert "preemption.enabled=false" in cmd and "+callbacks.cpu_clock.ablate=[lightning_sigterm]" in cmd
+    assert "+callbacks.cpu_clock.out=/c" in cmd and "trainer.devices=2" in cmd
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ranks", "1,0"], "argument --ranks: '1,0': give positive integers"),
     (["--steps", "25"], "argument --steps: '25' must be a multiple of 10"),
@@ -108,17 +143,17 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
 @pytest.mark.slow
 def test_raw_loop_computes_what_train_py_computes(tmp_path, shared_cache):
     """One rank, 3 steps of a shrunken DeepSeek: raw loop and train.py, started side by side."""
-    env = {**os.environ, "DSDEBUG_CACHE_DIR": str(shared_cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
+    env = {**fvr._env(1), "DSDEBUG_CACHE_DIR": str(shared_cache), "OMP_NUM_THREADS": "1"}  # PYTHONPATH: cpu_clock
     result = tmp_path / "raw.json"
     raw_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29547",
-               str(SCRIPT), "--raw", "--total-steps", "3", "--log-every", "1", "--result", str(result),
+               str(SCRIPT), "--raw", "--total-steps", "3", "--warmup", "1", "--log-every", "1", "--result", str(result),
                "--hidden-size", "64", "--layers", "2"]
     fw_cmd = [sys.executable, str(REPO / "train.py"), "debug=none", "strategy=zero2", "trainer=cpu",
               "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
               "export.fp32=false", "export.hf=false", f"paths.log_dir={tmp_path / 'fw'}",
-              "model.net.hidden_size=64", "model.net.num_hidden_layers=2"]
+              "model.net.hidden_size=64", "model.net.num_hidden_layers=2",
+              "+callbacks.cpu_clock._target_=cpu_clock.CpuClock", f"+callbacks.cpu_clock.out={tmp_path / 'fw_cpu'}",
+              "+callbacks.cpu_clock.start=1", "+callbacks.cpu_clock.end=3"]
     # (if the token cache is not built yet, both build it: builds are atomic, racing is safe)
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in (raw_cmd, fw_cmd)]
@@ -136,3 +171,14 @@ def test_raw_loop_computes_what_train_py_computes(tmp_path, shared_cache):
     # same init, batches, loss code, optimizer path: identical losses, bit for bit
     assert fw == raw
     assert sorted(stamps) == [1, 2, 3] and stamps[1] < stamps[2] < stamps[3]
+
+    # CPU time over the same window (steps 1..3] on both sides: present, positive, and no more than
+    # the wall time x the cores the process could use (+ slack for the clocks' granularity)
+    cores = os.cpu_count() or 1
+    for records in (json.loads(result.read_text())["cpu"], cpu_clock.read_ranks(tmp_path / "fw_cpu")):
+        assert len(records) == 1 and records[0]["rank"] == 0 and (records[0]["start"], records[0]["end"]) == (1, 3)
+        r = records[0]
+        assert 0 < r["cpu_s"] <= r["wall_s"] * cores + 0.05, r
+        assert r["threads_cpu_s"]["MainThread"] > 0 and r["torch_threads"] == 1
+        s = cpu_clock.summarize_ranks(records, steps=2)
+        assert s["cpu_ms"] == pytest.approx(r["cpu_s"] / 2 * 1000) and s["wall_ms"] > 0

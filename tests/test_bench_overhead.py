@@ -64,6 +64,27 @@ def test_summary_ratio_is_per_round_so_drift_cancels():
     assert rows["light"]["tokens_per_s"] == pytest.approx(1024 / 1.65)
 
 
+def test_cpu_ab_sums_every_rank_over_the_same_window():
+    # 2 ranks; the window is steps 2..5; light burns 5 % more CPU on each rank in both rounds, while the
+    # wall time of round 1 is disturbed by a neighbour (CPU does not move)
+    def fit(r, variant, step, cpu):
+        return {**_fit(r, variant, step), "cpu_step_s": [[9.0, 9.0] + [cpu] * 4, [8.0, 8.0] + [cpu] * 4]}
+
+    cell = {"warmup": 2, "window": 4, "fits": [fit(0, "none", 1.0, 0.8), fit(0, "light", 1.0, 0.84),
+                                                 fit(1, "light", 1.5, 0.84), fit(1, "none", 1.0, 0.8)]}
+    rows = overhead.summarize(cell)
+    assert rows["light"]["cpu_steady"] == pytest.approx(0.05) and rows["none"]["cpu_steady"] == 0
+    assert rows["light"]["cpu_step_ms"] == pytest.approx(1680.0)  # 2 ranks x 0.84 s
+    assert (rows["light"]["cpu_steady_min"], rows["light"]["cpu_steady_max"]) == (pytest.approx(0.05),) * 2
+    assert overhead.window_cpu_s({"cpu_step_s": [[1.0] * 5]}, warmup=2, window=4) is None  # too short
+    assert overhead.summarize({"warmup": 2, "window": 4, "fits": [_fit(0, "none", 1.0)]})["none"]["cpu_steady"] is None
+
+    import overhead_report
+
+    md = overhead_report.table({"cells": {"zero2:2": {"summary": rows, "rounds": 2, "warmup": 2, "wall_s": 1.0}}})
+    assert "| 1680 | +5.0% | +5.0%..+5.0% |" in md and "CPU A/B steady **over**" in md
+
+
 def test_direct_share_is_hook_time_over_the_rest_of_the_window():
     fit = {"window": 4, "step_s": [9.0, 9.0, 1.0, 1.0, 1.0, 1.0],
            "hook_s": {"grad_monitor": [5.0, 0, 0.1, 0.1, 0.1, 0.1], "data_inspector": [0, 0, 0, 0, 0.2, 0]}}
@@ -102,6 +123,10 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     for fit in cell["fits"]:
         assert fit["window"] == (50 if fit["variant"] == "light" else 3)  # light's cadence is 50 steps
         assert len(fit["step_s"]) == 2 + fit["window"] and all(t > 0 for t in fit["step_s"])
+        # CPU time of every rank (1 here) over the same steps: positive, at most wall x cores (+ slack)
+        (cpu,) = fit["cpu_step_s"]
+        assert len(cpu) == len(fit["step_s"]) and all(c > 0 for c in cpu)
+        assert sum(cpu) <= sum(fit["step_s"]) * (__import__("os").cpu_count() or 1) + 0.05
         assert fit["leaked"] == {}, (fit["variant"], fit["leaked"])
         has = debug & set(fit["callbacks"])
         assert has == (debug if fit["variant"] == "light" else set()), (fit["variant"], fit["callbacks"])
@@ -116,6 +141,7 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     results = json.loads((out / "overhead.json").read_text())
     rows = results["cells"]["zero2:1"]["summary"]
     assert set(rows) == {"none", "light"} and rows["light"]["rounds"] == 2
+    assert rows["light"]["cpu_step_ms"] > 0 and rows["light"]["cpu_steady"] is not None
     assert results["machine"]["versions"]["deepspeed"]
     assert "| light |" in (out / "overhead.md").read_text()
     assert (out / "overhead.png").read_bytes()[:4] == b"\x89PNG"

@@ -82,7 +82,12 @@ class HydraAwareLauncher(_SubprocessScriptLauncher):
                 child_env.pop("PL_GLOBAL_SEED", None)
             command, cwd = hydra_child_command(local_rank)
             log.debug("launching rank %d: %s", local_rank, command)
-            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+            # Each rank in a session of its own, as torchrun starts its workers: under Linux autogroup
+            # scheduling a session is one CPU-share group, so ranks sharing rank 0's session got one
+            # share between them on a loaded machine (issue 16). Ctrl-C still stops every rank: rank 0
+            # exits and reap_children / watch_parent stop the children. DSDEBUG_RANK_SESSIONS=0: old way.
+            own_session = os.environ.get("DSDEBUG_RANK_SESSIONS", "1") != "0"
+            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, start_new_session=own_session))
         watch_children(list(enumerate(self.procs, start=1)))
         return None
 

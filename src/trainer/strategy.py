@@ -82,6 +82,11 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         if isinstance(config, str):
             config = load_ds_config(config)
         comm = {k: kwargs.pop(k) for k in ("communication_data_type", *ZERO_PLUS_PLUS) if k in kwargs}
+        # only a user's ds_config asks for activation checkpointing: Lightning's own default config
+        # (strategy=zero2 without a config) always carries an all-false "activation_checkpointing"
+        # section, which turned gradient checkpointing on in every run (+~30 % CPU per step, issue 16)
+        self._asks_activation_checkpointing = isinstance(config, dict) and isinstance(
+            config.get("activation_checkpointing"), dict)
         super().__init__(config=config, **kwargs)
         if comm.get("communication_data_type") is not None:
             self.config["communication_data_type"] = comm.pop("communication_data_type")
@@ -139,7 +144,8 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         if filled and self.is_global_zero:
             name = os.path.basename(self._ds_config_source or "deepspeed config")
             log.info("ds_config %s: filled \"auto\" from the run: %s", name, ", ".join(filled))
-        enable_activation_checkpointing(self.config, self.lightning_module, self.is_global_zero)
+        if self._asks_activation_checkpointing:
+            enable_activation_checkpointing(self.config, self.lightning_module, self.is_global_zero)
         super()._format_config()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
