@@ -30,7 +30,7 @@ class RaiseAtStep(Callback):
             raise RuntimeError(f"planted crash at step {self.step}")
 
 
-# ---- the hang test's 2-process base (tests/test_cb_comm_debug.py); the healthy and the
+# ---- the hang test's 2-process base (tests/callbacks/test_cb_comm_debug.py); the healthy and the
 # straggler runs are the shared ones in tests/shared_runs.py ------------------------------
 
 TWO_PROC = [

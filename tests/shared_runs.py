@@ -4,10 +4,10 @@ A 2-process run spends ~20 s of CPU starting up (two interpreters importing torc
 DeepSpeed, transformers) before its first step, so the suite makes one healthy run per
 strategy and lets every test that needs "a healthy 2-process run" read it:
 
-- ``tests/test_distributed.py``: the ddp and zero3 strategy runs (learning, checkpoints,
+- ``tests/distributed/test_distributed.py``: the ddp and zero3 strategy runs (learning, checkpoints,
   exports) and the zero3 resume source (``strategy_run`` gives every strategy's run; the
   sweep below gives two of them);
-- ``tests/test_presets.py``: debug=full on a healthy run reports only info;
+- ``tests/callbacks/test_presets.py``: debug=full on a healthy run reports only info;
 - the callback tests' healthy 2-process cases: comm share (comm_debug), per-rank stats and
   timeline (log_sync), traces per rank (profiler), replay and records on every rank
   (reproducibility), disjoint batches per rank (data_inspector), all parameters verified
@@ -67,7 +67,7 @@ def healthy_run(strategy: str, tmp_path_factory: Any, cache: Path) -> tuple[Path
     return _once(strategy, HEALTHY[strategy], tmp_path_factory, cache, env=ENV)
 
 
-# The other strategies' runs (tests/test_distributed.py): TWO_PROC without checks. zero1 uses
+# The other strategies' runs (tests/distributed/test_distributed.py): TWO_PROC without checks. zero1 uses
 # another seed, so the reproducibility test can show that a seed changes the loss.
 OTHER_SEED = {"zero1": ["seed=43"]}
 
@@ -91,8 +91,8 @@ def strategy_run(strategy: str, tmp_path_factory: Any, cache: Path) -> tuple[Pat
 
 # One multirun for three uses: jobs with optim.lr=-1 fail validation in their own process in
 # ~1 s, before any rank starts; the optim.lr=3e-3 jobs (the default lr) are ordinary 2-process
-# runs of strategy_args(), with ZeRO-2 and ZeRO-2 + CPU offload. tests/test_sweeps.py checks
-# the sweep; tests/test_distributed.py reads the zero2_offload job as that strategy's run, and
+# runs of strategy_args(), with ZeRO-2 and ZeRO-2 + CPU offload. tests/distributed/test_sweeps.py checks
+# the sweep; tests/distributed/test_distributed.py reads the zero2_offload job as that strategy's run, and
 # the zero2 job as the re-run of the zero2 strategy run (same seed and config: the same loss
 # curve, bit for bit, also inside a sweep).
 SWEEP = ["-m", "optim.lr=-1,3e-3", "strategy=zero2,zero2_offload", *TWO_PROC]

@@ -45,7 +45,7 @@ class GradScaleCheck(DebugCallback):
     like the liveness and preemption callbacks), off with ``~callbacks.grad_scale``.
 
     Not covered here: the averaging of gradients across data-parallel ranks (DDP and DeepSpeed
-    average; tests/test_accumulation.py checks k x b against k*b end to end at 1 and 2 ranks).
+    average; tests/trainer/test_accumulation.py checks k x b against k*b end to end at 1 and 2 ranks).
 
     Example::
 

@@ -14,7 +14,7 @@ written or stop with one line saying why. Each key DeepSpeed 0.19.8 reads falls 
 
 Unknown keys (DeepSpeed ignores them silently, so a typo costs a run) get a warning with the
 closest known key. Pure Python on a dict: runs before torch is imported (fast errors).
-docs/ds_config.md is the same table for people; tests/test_ds_config_corpus.py keeps them in step.
+docs/ds_config.md is the same table for people; tests/config/test_ds_config_corpus.py keeps them in step.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dsdebug.errors import ConfigError
 from dsdebug.trainer.comm_options import build_ddp_hook
 from tests.conftest import TINY_NET, assert_ok, metrics, only_run_dir, run_train
 from tests.shared_runs import TWO_PROC, read_findings
-from tests.test_configs import _compose
+from tests.config.test_configs import _compose
 
 
 def _strategy(*overrides: str):

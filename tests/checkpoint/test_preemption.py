@@ -1,8 +1,8 @@
 """Preemption: SIGTERM (rank 0) or SIGUSR1 (one child rank) -> checkpoint at the next step boundary,
 exit 0; the same command again with `resume=auto` (a SLURM requeue) continues in its own run dir, and
 interrupted + resumed equals uninterrupted bit for bit. (`resume=latest` from a new run dir:
-tests/test_train_single.py, tests/test_ckpt_integrity.py; the choice of checkpoint:
-tests/test_resume_modes.py.)"""
+tests/trainer/test_train_single.py, tests/checkpoint/test_ckpt_integrity.py; the choice of checkpoint:
+tests/checkpoint/test_resume_modes.py.)"""
 
 from __future__ import annotations
 

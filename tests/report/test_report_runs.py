@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
 from tests.procs import start_train, wait_for
 from tests.shared_runs import healthy_run, planted_ddp_run, read_findings
-from tests.test_report_render import data_uri_pngs, parse
+from tests.report.test_report_render import data_uri_pngs, parse
 
 
 def _check_report(run_dir, min_images=1):

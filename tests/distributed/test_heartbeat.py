@@ -1,5 +1,5 @@
 """Liveness through the store (src/dist/heartbeat.py), without processes: ranks are Heartbeat
-objects on one in-memory store. What the torchrun tests (tests/test_rank_death_torchrun.py) cannot
+objects on one in-memory store. What the torchrun tests (tests/distributed/test_rank_death_torchrun.py) cannot
 show on one machine: a rank on another host is found dead by its stale heartbeat alone (no pid to
 check), a rank that said it exits is not, the store's host gone names rank 0, and the verdict is
 published once and adopted by the other ranks."""

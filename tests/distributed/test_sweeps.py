@@ -1,5 +1,5 @@
 """Hydra multirun with 2-process DeepSpeed jobs and failing jobs (one sweep, shared with
-tests/test_distributed.py: tests/shared_runs.py), and an Optuna sweep."""
+tests/distributed/test_distributed.py: tests/shared_runs.py), and an Optuna sweep."""
 
 from __future__ import annotations
 

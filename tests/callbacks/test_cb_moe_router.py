@@ -201,7 +201,7 @@ def test_deepseek_v3_planted_collapse_named_within_5_steps(tmp_path, shared_cach
 
 
 def test_hf_qwen2_moe_planted_collapse_and_dead_expert_named(tmp_path, shared_cache):
-    from tests.test_hf_moe import _net
+    from tests.models.test_hf_moe import _net
 
     model_dir = tmp_path / "qwen2_moe"
     _net("qwen2_moe").save_pretrained(model_dir)  # 4 experts, top-2; decoder layer 1 is the MoE layer

@@ -1,7 +1,7 @@
 """The launcher's world (torchrun, srun, deepspeed) is adopted into trainer.devices/num_nodes; a value
 given explicitly that contradicts it is the framework's one-line error, not a Lightning traceback.
 Real torchrun (one node, and two nodes on localhost), and SLURM's variables as srun sets them;
-the detection and the adoption in-process. (Full runs under each launcher: tests/test_launchers.py.)"""
+the detection and the adoption in-process. (Full runs under each launcher: tests/distributed/test_launchers.py.)"""
 
 from __future__ import annotations
 

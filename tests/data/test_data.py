@@ -17,7 +17,7 @@ from dsdebug.data.corpus import HFDatasetCorpus, KJVCorpus, SyntheticCorpus, Tex
 from dsdebug.data.datamodule import LMDataModule
 from dsdebug.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SMALL_VOCAB = 300  # 256 bytes + 2 specials + 42 merges: reachable on a few KB of text
 
 

@@ -1,6 +1,6 @@
 """Bad input: one line on stderr naming the key/file and the valid choices, exit code 2.
 
-Every row of docs/bad_inputs.md is one test here (or in tests/test_ckpt_integrity.py).
+Every row of docs/bad_inputs.md is one test here (or in tests/checkpoint/test_ckpt_integrity.py).
 """
 
 from __future__ import annotations

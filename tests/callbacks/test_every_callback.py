@@ -1,7 +1,7 @@
 """Every conf/callbacks/*.yaml goes through a short fit: a new callback is covered the
 moment its config exists. Runs in-process (1 rank) with a small plain net to stay cheap; the
 seven debug checks on the real tiny DeepSeek are the shared debug=full runs
-(tests/shared_runs.py, asserted silent in tests/test_presets.py)."""
+(tests/shared_runs.py, asserted silent in tests/callbacks/test_presets.py)."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def test_inconsistent_batch_keys_are_one_line_errors(keys, devices, match, tmp_p
 @pytest.mark.parametrize("name,trainer", [("seed003_zero3.json", "ddp_sim")])
 def test_seed_json_trains(name, trainer, tmp_path, shared_cache):
     # from the command line, as the README shows it: one optimizer step of a smaller DeepSeek; the
-    # other seed files train in the ds_config corpus's process group (tests/test_ds_config_corpus.py)
+    # other seed files train in the ds_config corpus's process group (tests/config/test_ds_config_corpus.py)
     args = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.limit_val_batches"))] + [
         "strategy=deepspeed_json", f"strategy.config={EXAMPLES / name}", f"trainer={trainer}",
         "trainer.max_steps=1", "trainer.limit_val_batches=1", "export.hf=false", *SMALL_DEEPSEEK]
