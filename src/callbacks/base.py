@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 
 from dsdebug.dist.collectives import any_rank
 from dsdebug.errors import ConfigError
@@ -42,8 +42,8 @@ def attach_channel(trainer: Any) -> None:
     calls this at the same point (each check's ``setup``, same callback order on every rank; the
     decision ``needs_auto`` is alike on every rank). Under the framework (configure_channel) it
     does nothing and costs nothing."""
-    if trainer is None or not needs_auto(trainer):
-        return
+    if not isinstance(trainer, Trainer) or not needs_auto(trainer):
+        return  # not a real Trainer (a unit test's stand-in): the channel stays as it is
     auto_configure(trainer.log_dir or trainer.default_root_dir, trainer)
 
 

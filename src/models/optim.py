@@ -35,7 +35,7 @@ def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.1,
                   warmup_steps: int | None = None, min_lr_ratio: float = 0.1) -> LambdaLR:
-    """Linear warmup from 0 to the peak LR, then cosine decay to ``min_lr_ratio * peak``: transformers'
+    """Linear warmup from peak/(warmup+1) to the peak LR, then cosine decay to ``min_lr_ratio * peak``: transformers'
     ``get_cosine_with_min_lr_schedule_with_warmup``, sized from the run's optimizer steps and our
     config keys (``optim.scheduler.warmup_ratio|warmup_steps|min_lr_ratio``)."""
     from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
@@ -45,9 +45,14 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     total_steps = max(1, int(total_steps))
+    # transformers' schedule gives LR 0 to the first update (step 0 of its count); ours counts the
+    # update being made from 1, so the first step already learns: the same curve one step on
+    # (warmup + 1, total + 1, starting at 1): (s+1)/(warmup+1) in warmup, then cosine over total - warmup
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
     return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=warmup_length(total_steps, warmup_ratio, warmup_steps),
-        num_training_steps=total_steps, min_lr_rate=float(min_lr_ratio))
+        optimizer, num_warmup_steps=warmup_length(total_steps, warmup_ratio, warmup_steps) + 1,
+        num_training_steps=total_steps + 1, min_lr_rate=float(min_lr_ratio), last_epoch=0)
 
 
 def warmup_length(total_steps: int, warmup_ratio: float, warmup_steps: int | None = None) -> int:

@@ -114,7 +114,7 @@ def test_optim_config_builds_a_warmup_cosine_schedule():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-3, rel=1e-6)  # warmup from 0 (transformers) to the peak
+    assert 0 < lrs[0] < 2e-4 and max(lrs) == pytest.approx(1e-3, rel=1e-6)  # the first update learns; warmup to the peak
     assert lrs.index(max(lrs)) == 10  # 10% warmup
     assert lrs[-1] == pytest.approx(1e-4, rel=0.05)  # cosine to min_lr_ratio * peak
 
