@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import socket
 import statistics
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dsdebug.callbacks._timeline import MERGED, STATS, TIMELINE, append_records, write_merged  # noqa: F401
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
+from dsdebug.dist.sweep import fill_wandb_sweep_identity, wandb_sweep_identity  # noqa: F401 (re-exported)
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TIMELINE, MERGED = "timeline.jsonl", "logs_merged.log"
-_STATS = ("step_time", "compute_time", "comm_time", "loss", "mem_mb")
 
 
 class _LineBuffer(logging.Handler):
@@ -182,15 +179,15 @@ class LogSync(DebugCallback):
         elif self.timeline:
             self._gather_lines(trainer, [])  # the lines logged since the last gather
         if self.timeline and trainer.is_global_zero:
-            self._write_merged(Path(trainer.default_root_dir))
+            write_merged(Path(trainer.default_root_dir))
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # No collectives here: the other ranks may be anywhere (or dead).
         run_dir = Path(trainer.default_root_dir)
         if self.buffer is not None:  # best effort: straight to the file (shared run dir)
-            self._append(run_dir, self.buffer.take(trainer.global_rank))
+            append_records(run_dir, self.buffer.take(trainer.global_rank))
             if trainer.is_global_zero:
-                self._write_merged(run_dir)
+                write_merged(run_dir)
         if self.finish_wandb and trainer.is_global_zero:
             self._finish_wandb(trainer, exception)
 
@@ -210,9 +207,9 @@ class LogSync(DebugCallback):
                               _memory_mb(trainer)], dtype=torch.float64, device=trainer.strategy.root_device)
         first = self._first_step if self._first_step is not None else trainer.global_step
         self._reset_window()
-        rows = trainer.strategy.all_gather(local).reshape(-1, len(_STATS)).cpu().tolist()  # COLLECTIVE
+        rows = trainer.strategy.all_gather(local).reshape(-1, len(STATS)).cpu().tolist()  # COLLECTIVE
         metrics: dict[str, float] = {}
-        for i, stat in enumerate(_STATS):
+        for i, stat in enumerate(STATS):
             values = [row[i] for row in rows]
             lo, hi = min(range(len(values)), key=values.__getitem__), max(range(len(values)), key=values.__getitem__)
             metrics.update({f"ranks/{stat}_min": values[lo], f"ranks/{stat}_min_rank": lo,
@@ -247,7 +244,7 @@ class LogSync(DebugCallback):
             advice=f"look at what rank {slow} does outside collectives: data loading (num_workers, slow storage), "
                    "a throttled or shared device/host, longer sequences or bigger batches on that rank; "
                    "ranks/compute_time_max_rank shows it over time",
-            details={"per_rank": {r: dict(zip(_STATS, row)) for r, row in enumerate(rows)}, "factor": self.factor},
+            details={"per_rank": {r: dict(zip(STATS, row)) for r, row in enumerate(rows)}, "factor": self.factor},
             rank=slow)
 
     def _gather_lines(self, trainer: Any, rows: list[list[float]]) -> None:
@@ -265,45 +262,9 @@ class LogSync(DebugCallback):
         hosts = self.hosts or [None] * len(gathered)
         merged = [dict(rec, time=rec["time"] - self.offsets[rank], host=hosts[rank])
                   for rank, recs in enumerate(gathered) for rec in recs]
-        merged += [{"time": now, "rank": r, "kind": "metrics", "step": trainer.global_step, **dict(zip(_STATS, row))}
+        merged += [{"time": now, "rank": r, "kind": "metrics", "step": trainer.global_step, **dict(zip(STATS, row))}
                    for r, row in enumerate(rows)]
-        self._append(Path(trainer.default_root_dir), sorted(merged, key=lambda rec: rec["time"]))
-
-    # ---- rank 0 / local files ---------------------------------------------------------
-    @staticmethod
-    def _append(run_dir: Path, records: list[dict]) -> None:
-        if not records:
-            return
-        data = "".join(json.dumps(rec, default=str) + "\n" for rec in records).encode()
-        run_dir.mkdir(parents=True, exist_ok=True)  # a plain Trainer (logger=False) may not have made it
-        fd = os.open(run_dir / TIMELINE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)  # one write: ranks appending after a crash don't interleave lines
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _write_merged(run_dir: Path) -> None:
-        path = run_dir / TIMELINE
-        if not path.is_file():
-            return
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-        out = []
-        for rec in sorted(records, key=lambda r: r.get("time", 0)):
-            stamp = datetime.fromtimestamp(rec.get("time", 0)).isoformat(sep=" ", timespec="milliseconds")
-            if rec.get("kind") == "metrics":
-                stats = " ".join(f"{k}={rec[k]:.4g}" for k in _STATS if isinstance(rec.get(k), (int, float)))
-                out.append(f"{stamp} [rank {rec['rank']}] METRICS step={rec.get('step')} {stats}")
-            else:
-                message = str(rec.get("message", "")).replace("\n", "\n    ")  # continuation lines indented
-                host = f" [{rec['host']}]" if rec.get("host") else ""
-                out.append(f"{stamp} [rank {rec['rank']}]{host} {rec['level']} {rec['logger']}: {message}")
-        (run_dir / MERGED).write_text("\n".join(out) + "\n")
+        append_records(Path(trainer.default_root_dir), sorted(merged, key=lambda rec: rec["time"]))
 
     def _finish_wandb(self, trainer: Any, exception: BaseException) -> None:
         from lightning.pytorch.loggers import WandbLogger
@@ -330,34 +291,3 @@ def _memory_mb(trainer: Any) -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
-
-
-def wandb_sweep_identity(run_dir: str | Path, task_name: str = "train") -> dict[str, str] | None:
-    """For a multirun job: W&B ``group`` = the sweep, ``name`` = sweep + job number, so each
-    job is its own run, grouped by sweep. None outside a multirun. The sweep dir comes from
-    ``DSDEBUG_SWEEP_DIR``/``DSDEBUG_JOB_NUM`` if set, else from Hydra's ``multirun.yaml``
-    next to the job dir (the basic sweeper writes it)."""
-    sweep_dir, job = os.environ.get("DSDEBUG_SWEEP_DIR"), os.environ.get("DSDEBUG_JOB_NUM")
-    run_dir = Path(run_dir)
-    if not sweep_dir and (run_dir.parent / "multirun.yaml").is_file():
-        sweep_dir, job = str(run_dir.parent), run_dir.name
-    if not sweep_dir:
-        return None
-    group = f"{task_name}-{Path(sweep_dir).name}"
-    return {"group": group, "name": f"{group}-{job}"}
-
-
-def fill_wandb_sweep_identity(cfg: Any) -> None:
-    """Set ``logger.wandb.group``/``name`` for a multirun job unless the user set them; call
-    before the loggers are instantiated."""
-    from omegaconf import open_dict
-
-    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
-    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train")))
-    if wandb_cfg is None or identity is None:
-        return
-    with open_dict(wandb_cfg):
-        if not wandb_cfg.get("group"):
-            wandb_cfg.group = identity["group"]
-        if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
-            wandb_cfg.name = identity["name"]

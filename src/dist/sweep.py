@@ -52,7 +52,7 @@ def run_job_in_subprocess(cfg: DictConfig, script: str | None = None) -> float:
     if rank == 0:
         log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    # W&B groups the jobs of one sweep (log_sync.fill_wandb_sweep_identity); Optuna writes no multirun.yaml
+    # W&B groups the jobs of one sweep (fill_wandb_sweep_identity below); Optuna writes no multirun.yaml
     env["DSDEBUG_SWEEP_DIR"] = str(job_dir.parent)
     env["DSDEBUG_JOB_NUM"] = str(hc.job.num)
     if job is None:
@@ -125,3 +125,34 @@ class SweepSummary(Callback):
         if failed:
             log.error("%d of %d jobs failed: %s", len(failed), len(rows), ", ".join(str(r["job"]) for r in failed))
             sys.exit(1)
+
+
+def wandb_sweep_identity(run_dir: str | Path, task_name: str = "train") -> dict[str, str] | None:
+    """For a multirun job: W&B ``group`` = the sweep, ``name`` = sweep + job number, so each
+    job is its own run, grouped by sweep. None outside a multirun. The sweep dir comes from
+    ``DSDEBUG_SWEEP_DIR``/``DSDEBUG_JOB_NUM`` if set, else from Hydra's ``multirun.yaml``
+    next to the job dir (the basic sweeper writes it)."""
+    sweep_dir, job = os.environ.get("DSDEBUG_SWEEP_DIR"), os.environ.get("DSDEBUG_JOB_NUM")
+    run_dir = Path(run_dir)
+    if not sweep_dir and (run_dir.parent / "multirun.yaml").is_file():
+        sweep_dir, job = str(run_dir.parent), run_dir.name
+    if not sweep_dir:
+        return None
+    group = f"{task_name}-{Path(sweep_dir).name}"
+    return {"group": group, "name": f"{group}-{job}"}
+
+
+def fill_wandb_sweep_identity(cfg: Any) -> None:
+    """Set ``logger.wandb.group``/``name`` for a multirun job unless the user set them; call
+    before the loggers are instantiated."""
+    from omegaconf import open_dict
+
+    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
+    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train")))
+    if wandb_cfg is None or identity is None:
+        return
+    with open_dict(wandb_cfg):
+        if not wandb_cfg.get("group"):
+            wandb_cfg.group = identity["group"]
+        if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
+            wandb_cfg.name = identity["name"]

@@ -71,7 +71,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
     # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
     callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
-    from dsdebug.callbacks.log_sync import fill_wandb_sweep_identity
+    from dsdebug.dist.sweep import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
     loggers = instantiate_loggers(cfg.get("logger"))
