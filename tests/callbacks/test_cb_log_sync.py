@@ -103,7 +103,7 @@ def test_crashed_job_still_finishes_its_wandb_run_and_timeline(tmp_path, shared_
     history = {i.key or "/".join(i.nested_key) for r in records if r.WhichOneof("record_type") == "history"
                for i in r.history.item}
     assert {"ranks/step_time_max", "ranks/step_time_max_rank", "ranks/loss_min"} <= history, history
-    assert [f["code"] for f in read_findings(run_dir)] == ["wandb_failed_run"]
+    assert [f["code"] for f in read_findings(run_dir) if f["code"] != "comm_setting"] == ["wandb_failed_run"]
     events = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert events and any(b"ranks/loss_max" in p.read_bytes() for p in events)
     assert "[rank 0]" in (run_dir / "logs_merged.log").read_text()
