@@ -82,11 +82,13 @@ class HydraAwareLauncher(_SubprocessScriptLauncher):
                 child_env.pop("PL_GLOBAL_SEED", None)
             command, cwd = hydra_child_command(local_rank)
             log.debug("launching rank %d: %s", local_rank, command)
-            # Each rank in a session of its own, as torchrun starts its workers: under Linux autogroup
-            # scheduling a session is one CPU-share group, so ranks sharing rank 0's session got one
-            # share between them on a loaded machine (issue 16). Ctrl-C still stops every rank: rank 0
-            # exits and reap_children / watch_parent stop the children. DSDEBUG_RANK_SESSIONS=0: old way.
-            own_session = os.environ.get("DSDEBUG_RANK_SESSIONS", "1") != "0"
+            # DSDEBUG_RANK_SESSIONS=1: each child rank in a session of its own, as torchrun starts its
+            # workers (under Linux autogroup scheduling a session is one CPU-share group; issue 16 measured
+            # +15 % wall in one noisy round with one shared session). Off by default: rank 0 stays in the
+            # caller's session, so own sessions for the children only give them more CPU share than
+            # rank 0 on a loaded machine, and log_sync then names rank 0 a straggler (seen in a healthy
+            # 2-rank debug=full run). Ctrl-C stops every rank either way (reap_children / watch_parent).
+            own_session = os.environ.get("DSDEBUG_RANK_SESSIONS", "0") == "1"
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, start_new_session=own_session))
         watch_children(list(enumerate(self.procs, start=1)))
         return None

@@ -119,7 +119,10 @@ def ds_comm_setting(config: dict) -> dict[str, Any]:
 
 
 def report_comm_setting(strategy: str, setting: dict[str, Any], world_size: int, backend: str | None) -> None:
-    """The info finding every run carries (rank 0 only: the caller checks)."""
+    """The info finding every multi-process run carries (rank 0 only: the caller checks); one
+    process communicates nothing, so it has none."""
+    if world_size <= 1:
+        return
     text = ", ".join(f"{k}={v}" for k, v in setting.items())
     get_channel().report(Finding(
         check="comm", severity="info", code="comm_setting",
