@@ -124,8 +124,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         enable_universal_loading(trainer.strategy)
     dashboards = None
     if rank_zero_only.rank == 0:
-        dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
         check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
+        # after the refusal point: a refused attempt must leave no dashboard files behind
+        dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
         _print_header(cfg, output_dir)
         settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
         _write_config(cfg, output_dir, trainer)
