@@ -149,7 +149,7 @@ class Reproducibility(DebugCallback):
         if self._set_up:
             return
         self._set_up = True
-        if self.deterministic and not was_on:
+        if self.deterministic and not was_on and getattr(trainer, "is_global_zero", True):  # once, not per rank
             log.info("reproducibility: re-enabled torch.use_deterministic_algorithms (trainer.deterministic=false "
                      "turned it off when the Trainer was built)")
         # seed=None (a plain Lightning project): the seed the run was seeded with, nothing to compare

@@ -11,6 +11,8 @@ command line (``trainer/cli.py``) on every rank, after ``lightning`` is imported
 - compiler lines: DeepSpeed probes its ops at start (async_io test-compiles ``-laio``) through
   setuptools' compiler classes, which log each gcc command at INFO (logger ``compilers``).
 - advertisement: Lightning's "💡 Tip: ... litlogger ..." line at Trainer construction.
+- ranks other than 0 print warnings and errors only: their info lines (mostly the same as rank
+  0's, sometimes to the millisecond) stay in their ``rank<r>.log``.
 - warnings (``KNOWN_WARNINGS``): third-party deprecations that the user cannot act on.
 """
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+
+from dsdebug.errors import is_rank_zero
 
 LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -55,6 +59,10 @@ def quiet_console() -> None:
     """Everything above, idempotent (a second call adds nothing)."""
     filter_known_warnings()
     single_handler()
+    if not is_rank_zero():
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setLevel(max(handler.level, logging.WARNING))
     logging.getLogger("compilers").setLevel(logging.WARNING)  # gcc command lines of DeepSpeed's op probes
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropAdvertisement) for f in rank_zero.filters):

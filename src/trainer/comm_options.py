@@ -97,8 +97,11 @@ def check_ds_options(config: dict, on_cuda: bool) -> None:
                           f"{', '.join(DS_COMM_DTYPES)}")
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         value = zero.get(key)
+        if value == "auto" and key == "reduce_bucket_size":  # HF-style: resolved from the model at setup
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ConfigError(f"strategy.{key}={value!r} is invalid; valid: a number of elements > 0")
+            raise ConfigError(f"strategy.{key}={value!r} is invalid; valid: a number of elements > 0"
+                              + (' or "auto"' if key == "reduce_bucket_size" else ""))
     wanted = [k for k in ZERO_PLUS_PLUS if zero.get(k) is True or (type(zero.get(k)) is int and zero[k] > 1)]
     if wanted and zero.get("stage") != 3:
         raise ConfigError(f"strategy.{wanted[0]} is ZeRO++ and needs strategy=zero3 (stage 3); "
