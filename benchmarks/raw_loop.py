@@ -66,7 +66,8 @@ def raw_main(args: argparse.Namespace) -> None:
     from dsdebug.data.corpus import KJVCorpus
     from dsdebug.data.datamodule import LMDataModule
     from dsdebug.models.deepseek import build_deepseek_v3
-    from dsdebug.models.moe_aux import RouterCapture, load_balancing_loss
+    from dsdebug.models.moe_aux import RouterCapture
+    from dsdebug.models.moe_loss import load_balancing_loss
     from dsdebug.models.optim import param_groups, warmup_cosine
 
     class LossModel(torch.nn.Module):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,8 +35,9 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from dsdebug.data.blocks import PackedBlocks, seed_worker
 from dsdebug.data.corpus import Corpus, SyntheticCorpus, resolve_path
 from dsdebug.data.resumable import (
     EpochShuffleSampler,
@@ -51,35 +51,6 @@ from dsdebug.errors import ConfigError
 SOURCES = "dsdebug.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
 
 log = logging.getLogger(__name__)
-
-
-class PackedBlocks(Dataset):
-    """Blocks ``tokens[start + i*seq_len : start + (i+1)*seq_len]`` for i < num_blocks."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, num_blocks: int):
-        self.tokens, self.seq_len, self.start, self.num_blocks = tokens, seq_len, start, num_blocks
-
-    @property
-    def token_range(self) -> tuple[int, int]:
-        """Half-open [first, last) token positions covered by this split."""
-        return self.start, self.start + self.num_blocks * self.seq_len
-
-    def __len__(self) -> int:
-        return self.num_blocks
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(i)
-        a = self.start + i * self.seq_len
-        ids = torch.from_numpy(np.asarray(self.tokens[a : a + self.seq_len], dtype=np.int64))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-def seed_worker(worker_id: int) -> None:
-    """Seed numpy/random per dataloader worker from torch's per-worker seed."""
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def _is_int(x) -> bool:

@@ -4,7 +4,7 @@ expert-load metrics. ``CausalLMModule`` holds one per net; it runs on every rank
 | net | aux loss (``train/aux_loss``) | ``moe_aux_loss_coef: auto`` | hooks |
 |---|---|---|---|
 | HF MoE with its own loss: config has ``router_aux_loss_coef`` and the modeling module defines ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) | the model's: forward with ``output_router_logits=True``, ``out.aux_loss`` (Switch loss pooled over MoE layers; ``top_k`` when balanced) | the config's ``router_aux_loss_coef`` | one per router |
-| MoE without one (HF DeepSeek V2/V3) | the project's ``moe_aux.load_balancing_loss`` over the hooked router logits (1.0 when balanced) | ``0.01`` | one per router + 2 on the root |
+| MoE without one (HF DeepSeek V2/V3) | the project's ``moe_loss.load_balancing_loss`` over the hooked router logits (1.0 when balanced) | ``0.01`` | one per router + 2 on the root |
 | dense (no routers, no own loss) | none | - | none |
 
 Never both: the back-propagated total is ``CE + coef * aux`` with exactly one aux term, and the
@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from dsdebug.errors import ConfigError
-from dsdebug.models.moe_aux import RouterCapture, expert_load_fractions, find_routers, load_balancing_loss
+from dsdebug.models.moe_aux import RouterCapture, find_routers
+from dsdebug.models.moe_loss import expert_load_fractions, load_balancing_loss
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ def test_target_in_a_missing_module_lists_what_exists():
     assert target_problem("dsdebug.models.deepseek.build_deepseek_v3") is None
     assert target_problem("torch.optim.AdamW") is None
     assert target_problem("lightning.pytorch.loggers.CSVLogger") is None
-    assert target_problem("dsdebug.models.nope.build") == "dsdebug.models has no 'nope'; valid: deepseek, flops, lm_module, model_states, moe_aux, moe_balance, optim"
+    assert target_problem("dsdebug.models.nope.build") == "dsdebug.models has no 'nope'; valid: deepseek, flops, lm_module, model_states, moe_aux, moe_balance, moe_loss, optim"
     assert target_problem("nosuchpkg.x").startswith("no module named 'nosuchpkg'")
 
 

@@ -18,13 +18,8 @@ from dsdebug.models.deepseek import (
     load_pretrained,
     save_pretrained_dir,
 )
-from dsdebug.models.moe_aux import (
-    RouterCapture,
-    RouterRecord,
-    expert_load_fractions,
-    find_routers,
-    load_balancing_loss,
-)
+from dsdebug.models.moe_aux import RouterCapture, RouterRecord, find_routers
+from dsdebug.models.moe_loss import expert_load_fractions, load_balancing_loss
 
 BUILDERS = {"v3": build_deepseek_v3, "v2": build_deepseek_v2}
 E, K = 8, 2  # tiny-model defaults: routed experts, experts per token
