@@ -50,6 +50,8 @@ def test_ddp_comm_configs_compose(strategy, hook):
                                                                     r" and needs strategy=zero3"),
     (["strategy=zero3", "strategy.zero_quantized_weights=true"], r"^strategy\.zero_quantized_weights=true .*needs CUDA"),
     (["strategy=zero2", "strategy.communication_data_type=fp8"], r"^strategy\.communication_data_type='fp8' is invalid"),
+    (["strategy=zero2", "strategy.reduce_bucket_size=0"], r"^strategy\.reduce_bucket_size=0 is invalid.* or \"auto\"$"),
+    (["strategy=zero2", "strategy.allgather_bucket_size=auto"], r"^strategy\.allgather_bucket_size='auto' is invalid"),
 ])
 def test_unsupported_comm_options_are_one_line_errors(overrides, match):
     if torch.cuda.is_available() and "CUDA" in match:
@@ -65,6 +67,12 @@ def test_zero_comm_keys_reach_the_ds_config():
     zero = obj.config["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 1000 and zero["zero_hpz_partition_size"] == 2
     assert obj.config["communication_data_type"] == "fp16"
+
+
+def test_hf_style_auto_bucket_size_passes_the_check():
+    """HF's public ds_configs say "reduce_bucket_size": "auto" (filled from hidden_size at setup)."""
+    obj = _strategy("strategy=zero3", "strategy.reduce_bucket_size=auto")
+    assert obj.config["zero_optimization"]["reduce_bucket_size"] == "auto"
 
 
 def test_payload_bytes_per_collective():
