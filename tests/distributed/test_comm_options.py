@@ -84,6 +84,18 @@ def test_payload_bytes_per_collective():
     assert payload_bytes("barrier", (), {}) == 0
 
 
+def _destroy_world() -> None:
+    """torch's destroy_process_group leaves DeepSpeed's cached groups (deepspeed.utils.groups: the
+    clone of the world an earlier in-process DeepSpeed fit made) pointing at the dead group, and the
+    next in-process DeepSpeed fit of this pytest process fails with "Group ... is not registered".
+    deepspeed.comm.destroy_process_group releases them, but only once deepspeed.comm has a backend."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    dist.destroy_process_group()
+    groups._release_process_group_references(group=None)  # what deepspeed.comm's destroy does after torch's
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     import torch.distributed as dist
@@ -92,10 +104,10 @@ def one_rank_group(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if dist.is_initialized():  # an earlier in-process fit in this pytest process left its group
-        dist.destroy_process_group()
+        _destroy_world()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    _destroy_world()
 
 
 POWERSGD = {"powersgd_rank": 1, "powersgd_warm_start": True, "powersgd_start_iter": 2}
