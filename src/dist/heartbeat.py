@@ -153,7 +153,9 @@ class Heartbeat:
 
     # ---- the thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.beat_s):
+        # until every watched rank's registration (host, pid) is read, look every 0.2 s: a rank that
+        # dies early, with the store on its host, would otherwise be named "host ?, pid ?"
+        while not self._stop.wait(self.beat_s if len(self.who) >= len(self.watched()) else min(self.beat_s, 0.2)):
             try:
                 self._beat()
                 verdict = None if self.handled else self.check(self.stale_s)

@@ -155,3 +155,24 @@ def test_the_store_going_away_after_rank_0_finished_is_not_a_death(ranks):
     r1.check(60)  # rank 1 reads the exit mark (its thread does so every beat)
     store.down = True
     assert r1.find_dead(wait_s=1, stale_s=0.2) is None
+
+
+def test_a_late_registration_is_read_before_the_next_beat():
+    """Rank 0 registers after rank 1's thread started; with a 5 s beat, rank 1 still has rank 0's
+    host and pid within a second, so a death with the store (the torchrun node-0 case) names them."""
+    store = FlakyStore()
+    r1 = Heartbeat(store, 1, 2, {"node": 1}, step=lambda: 3, beat_s=5.0).start()
+    try:
+        time.sleep(0.3)
+        r0 = Heartbeat(store, 0, 2, {"node": 0, "host": "node0-host", "pid": 4242}, step=lambda: 3, beat_s=5.0)
+        store.set("who/0", __import__("json").dumps(r0.me))
+        store.set("beat/0", "1 3")
+        deadline = time.time() + 1.5
+        while 0 not in r1.who and time.time() < deadline:
+            time.sleep(0.05)
+        assert r1.who.get(0, {}).get("host") == "node0-host" and r1.who[0]["pid"] == 4242
+        store.down = True
+        r1.store_failed_at = time.monotonic() - 10
+        assert "host node0-host, pid 4242" in describe(r1._store_gone(stale_s=1.0))
+    finally:
+        r1._stop.set()
