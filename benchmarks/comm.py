@@ -40,7 +40,9 @@ VARIANTS: dict[str, list[str]] = {
     "ddp": ["strategy=ddp"],
     "ddp_fp16_comm": ["strategy=ddp_fp16_comm"],
     "ddp_bf16_comm": ["strategy=ddp_bf16_comm"],
-    "ddp_powersgd": ["strategy=ddp_powersgd"],
+    # the bytes/time cell is 12 steps: PowerSGD from step 2 so its window sees compression (the
+    # config's default starts at 30, after warm-up; the loss check runs the config as it is)
+    "ddp_powersgd": ["strategy=ddp_powersgd", "strategy.powersgd_start_iter=2"],
     "zero2": ["strategy=zero2"],
     "zero2_overlap_off": ["strategy=zero2", "strategy.overlap_comm=false"],
     "zero2_bucket_5e5": ["strategy=zero2", "strategy.reduce_bucket_size=500000", "strategy.allgather_bucket_size=500000"],
@@ -51,6 +53,7 @@ VARIANTS: dict[str, list[str]] = {
     "zero3_hpz2": ["strategy=zero3", "strategy.zero_hpz_partition_size=2"],
     "zero3_qgz": ["strategy=zero3", "strategy.zero_quantized_gradients=true"],
 }
+LOSS_CHECK = {"ddp": ["strategy=ddp"], "ddp_powersgd": ["strategy=ddp_powersgd"]}  # the configs as they ship
 
 
 def cell_of(variant: str) -> str:
@@ -74,7 +77,8 @@ def worker(args: argparse.Namespace) -> None:
     out, results = Path(args.out), {}
     for variant in args.variants.split(","):
         run_dir = out / "runs" / variant
-        fit = harness.fit([*COMM_DEBUG, *VARIANTS[variant], *args.override, f"trainer.max_steps={args.steps}"],
+        configs = LOSS_CHECK if args.loss_check else VARIANTS  # a worker's --loss-check: the loss cell
+        fit = harness.fit([*COMM_DEBUG, *configs[variant], *args.override, f"trainer.max_steps={args.steps}"],
                           run_dir)
         if fit["rank"] != 0:
             continue
@@ -97,9 +101,11 @@ def _final_loss(rows: list[dict[str, str]], last: int) -> float | None:
 
 
 # ---- driver ---------------------------------------------------------------------------------
-def run_cell(name: str, variants: list[str], steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_cell(name: str, variants: list[str], steps: int, args: argparse.Namespace, out: Path,
+             loss: bool = False) -> dict[str, Any]:
     cell_dir = out / name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variants", ",".join(variants),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *(["--loss-check"] if loss else []),
+           "--variants", ",".join(variants),
            "--steps", str(steps), "--warmup", str(args.warmup), "--out", str(cell_dir),
            *[f"--override={o}" for o in args.override]]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         results["variants"].update(run_cell(cell, variants, args.steps, args, out))
     if args.loss_check:
         print(f"comm: loss check, {args.loss_steps} steps of ddp and ddp_powersgd ...", flush=True)
-        losses = run_cell("loss_check", ["ddp", "ddp_powersgd"], args.loss_steps, args, out)
+        losses = run_cell("loss_check", list(LOSS_CHECK), args.loss_steps, args, out, loss=True)
         ddp, psgd = losses["ddp"]["final_loss"], losses["ddp_powersgd"]["final_loss"]
         rel = (psgd - ddp) / ddp
         results["loss_check"] = {"steps": args.loss_steps, "ddp": ddp, "ddp_powersgd": psgd, "rel_diff": rel,
