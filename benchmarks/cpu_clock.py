@@ -32,7 +32,19 @@ ABLATIONS = ("lightning_sigterm",)
 
 def stamp(threads: bool = True) -> dict[str, Any]:
     """Wall and process CPU seconds now (and each thread's CPU seconds: ~1 ms, at the window's ends only)."""
-    return {"wall": time.time(), "cpu": time.process_time(), **({"threads": thread_cpu()} if threads else {})}
+    return {"wall": time.time(), "cpu": time.process_time(), "rusage": rusage(),
+            **({"threads": thread_cpu()} if threads else {})}
+
+
+RUSAGE_FIELDS = ("ru_utime", "ru_stime", "ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
+
+
+def rusage() -> dict[str, float]:
+    """getrusage(RUSAGE_SELF): user / sys seconds, page faults and context switches of this process so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {f[3:]: getattr(r, f) for f in RUSAGE_FIELDS}
 
 
 def thread_cpu() -> dict[str, float]:
@@ -52,7 +64,8 @@ def window(stamps: dict[int, dict[str, Any]], start: int, end: int, rank: int, t
     a, b = stamps[start], stamps[end]
     per_thread = {name: round(t - a.get("threads", {}).get(name, 0.0), 4) for name, t in b.get("threads", {}).items()}
     return {"rank": rank, "pid": os.getpid(), "torch_threads": threads, "start": start, "end": end,
-            "wall_s": b["wall"] - a["wall"], "cpu_s": b["cpu"] - a["cpu"], "threads_cpu_s": per_thread}
+            "wall_s": b["wall"] - a["wall"], "cpu_s": b["cpu"] - a["cpu"], "threads_cpu_s": per_thread,
+            "rusage": {k: round(v - a.get("rusage", {}).get(k, 0), 4) for k, v in b.get("rusage", {}).items()}}
 
 
 class CpuClock(Callback):
@@ -102,4 +115,8 @@ def summarize_ranks(records: list[dict[str, Any]], steps: int) -> dict[str, Any]
             "cpu_ms_per_rank": [r["cpu_s"] / steps * 1000.0 for r in records],
             "cpu_ms": sum(r["cpu_s"] for r in records) / steps * 1000.0,
             "torch_threads": [r["torch_threads"] for r in records],
+            # page faults and system time per step, every rank summed (glibc malloc handing memory
+            # back to the OS shows here: docs/benchmarks.md 2b)
+            "minflt_per_step": sum(r.get("rusage", {}).get("minflt", 0) for r in records) / steps,
+            "sys_ms": sum(r.get("rusage", {}).get("stime", 0.0) for r in records) / steps * 1000.0,
             "threads_cpu_s": [r["threads_cpu_s"] for r in records]}

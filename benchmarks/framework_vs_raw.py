@@ -67,6 +67,7 @@ VARIANTS: dict[str, list[str]] = {
     "no_collectives": ["preemption.enabled=false", *_NO_PL_SIGTERM],  # both
     "no_progress_bar": ["trainer.enable_progress_bar=false"],
     "one_session": [],  # placement as before issue 16: rank 1 in rank 0's session (env below)
+    "no_malloc_tuning": ["malloc_tuning=false"],  # glibc's defaults: memory handed back and faulted in again
 }
 VARIANT_ENV: dict[str, dict[str, str]] = {"one_session": {"DSDEBUG_RANK_SESSIONS": "0"}}
 
@@ -97,7 +98,7 @@ def run_raw(args: argparse.Namespace, ranks: int, run_dir: Path, port: int) -> d
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
            "--master_port", str(port), str(Path(__file__).resolve()), "--raw",
            "--total-steps", str(args.warmup + args.steps), "--warmup", str(args.warmup),
-           "--result", str(result), *model_flags(args)]
+           "--result", str(result), "--raw-malloc", args.raw_malloc, *model_flags(args)]
     wall = run_supervised(cmd, run_dir / "raw.log", args.timeout, _env(ranks))
     data = json.loads(result.read_text())
     stamps = {int(k): v for k, v in data["stamps"].items()}
@@ -155,7 +156,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     got[side] = run_framework(args, ranks, run_dir, side)
                 port += 1
             end = args.warmup + args.steps
-            keep = ("ms", "cpu_ms", "cpu_ms_per_rank", "torch_threads", "threads_cpu_s", "blocks_ms")
+            keep = ("ms", "cpu_ms", "cpu_ms_per_rank", "torch_threads", "threads_cpu_s", "blocks_ms",
+                    "minflt_per_step", "sys_ms")
             rounds.append({"round": r, "order": round_order(r, sides), "raw_ms": got["raw"]["ms"],
                            "framework_ms": got["framework"]["ms"],
                            "raw_blocks_ms": got["raw"]["blocks_ms"],
@@ -177,7 +179,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"machine": harness.machine_info(), "target": TARGET, "warmup": args.warmup, "steps": args.steps,
             "model": {**MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers},
             "omp_num_threads": {r: max(1, (os.cpu_count() or 1) // r) for r in args.ranks},
-            "results": results, "wall_s": round(time.time() - started, 1)}
+            "raw_malloc": args.raw_malloc, "results": results, "wall_s": round(time.time() - started, 1)}
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -237,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"framework sides, comma-separated (default framework; ablations: {', '.join(list(VARIANTS)[1:])})")
     p.add_argument("--hidden-size", type=_positive, default=MODEL["hidden_size"], help="model width (default 256)")
     p.add_argument("--layers", type=_positive, default=MODEL["num_hidden_layers"], help="decoder layers (default 4)")
+    p.add_argument("--raw-malloc", choices=("default", "tuned"), default="default",
+                   help="the raw loop's host allocator: glibc's defaults as a hand-written loop has them (default), "
+                        "or train.py's malloc_tuning (like for like)")
     raw = p.add_argument_group("raw worker (run by torchrun; not for direct use)")
     raw.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     raw.add_argument("--total-steps", type=_positive, default=60, help=argparse.SUPPRESS)

@@ -67,7 +67,9 @@ def side_summary(rounds: list[dict[str, Any]], side: str) -> dict[str, Any]:
     med = statistics.median
     return {"wall_ms": med(r["sides"][side]["ms"] for r in rounds), "wall_overheads": wall,
             "wall_overhead": med(wall), "cpu_ms": med(r["sides"][side]["cpu_ms"] for r in rounds),
-            "cpu_overheads": cpu, "cpu_overhead": med(cpu)}
+            "cpu_overheads": cpu, "cpu_overhead": med(cpu),
+            "minflt_per_step": med(r["sides"][side].get("minflt_per_step", 0) for r in rounds),
+            "sys_ms": med(r["sides"][side].get("sys_ms", 0.0) for r in rounds)}
 
 
 def summarize(rounds: list[dict[str, float]], target: float = TARGET) -> dict[str, Any]:
@@ -108,16 +110,20 @@ def results_md(report: dict[str, Any]) -> str:
                      f"| {max(diffs):.2g} |" if diffs else f"| {res['ranks']} | {fmt(loss['raw'])} | "
                      f"{fmt(loss['framework'])} | - |")
     lines += ["", "Wall and CPU time per step (CPU: user+sys of every rank over the same window, summed; median of "
-              "the rounds; overhead = side / raw loop of the same round - 1):", "",
-              "| ranks | side | wall ms/step | CPU ms/step | wall overhead | CPU overhead | per round wall / CPU |",
-              "|---|---|---|---|---|---|---|"]
+              "the rounds; overhead = side / raw loop of the same round - 1; sys ms and minor page faults per step, "
+              f"every rank summed; the raw loop's host allocator: {report.get('raw_malloc', 'default')}):", "",
+              "| ranks | side | wall ms/step | CPU ms/step | sys ms/step | page faults/step | wall overhead "
+              "| CPU overhead | per round wall / CPU |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for res in report["results"]:
         if not res.get("variants"):
             continue
-        raw_cpu = statistics.median(r["sides"]["raw"]["cpu_ms"] for r in res["rounds"])
-        lines.append(f"| {res['ranks']} | raw | {res['raw_ms']:.1f} | {raw_cpu:.1f} | | | |")
+        raw = side_summary(res["rounds"], "raw")
+        lines.append(f"| {res['ranks']} | raw | {res['raw_ms']:.1f} | {raw['cpu_ms']:.1f} | {raw['sys_ms']:.1f} "
+                     f"| {raw['minflt_per_step']:.0f} | | | |")
         for v, vs in res["variants"].items():
             per = ", ".join(f"{w:+.1%} / {c:+.1%}" for w, c in zip(vs["wall_overheads"], vs["cpu_overheads"]))
-            lines.append(f"| {res['ranks']} | {v} | {vs['wall_ms']:.1f} | {vs['cpu_ms']:.1f} | {pct(vs['wall_overhead'])} "
+            lines.append(f"| {res['ranks']} | {v} | {vs['wall_ms']:.1f} | {vs['cpu_ms']:.1f} | {vs['sys_ms']:.1f} "
+                         f"| {vs['minflt_per_step']:.0f} | {pct(vs['wall_overhead'])} "
                          f"| {pct(vs['cpu_overhead'])} | {per} |")
     return "\n".join(lines) + "\n"

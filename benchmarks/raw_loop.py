@@ -85,6 +85,10 @@ def raw_main(args: argparse.Namespace) -> None:
                                  batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
             return ce + AUX_COEF * aux, ce
 
+    if getattr(args, "raw_malloc", "default") == "tuned":  # train.py's malloc_tuning, for a like-for-like run
+        from dsdebug.trainer.allocator import tune_malloc
+
+        tune_malloc(True)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     random.seed(SEED)  # what L.seed_everything(42) does before train.py builds the net

@@ -82,6 +82,9 @@ def validate_config(cfg: DictConfig) -> None:
             "trainer.precision=16-mixed: this CPU has no fp16 support (needs AVX512-FP16/AMX); "
             "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
         )
+    if not isinstance(cfg.get("malloc_tuning", True), bool):
+        raise ConfigError(f"malloc_tuning={cfg.get('malloc_tuning')!r} is invalid; valid: true (keep freed host "
+                          "memory for reuse), false (glibc's defaults)")
     resume = cfg.get("resume")
     if resume not in (None, "auto", "latest", "latest_valid"):
         raise ConfigError(

@@ -192,6 +192,9 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         from dsdebug.trainer.entry import train
 
         quiet_console()  # after importing lightning: its import may add a console handler of its own
+        from dsdebug.trainer.allocator import tune_malloc
+
+        tune_malloc(cfg.get("malloc_tuning", True))  # every rank, before the model and data exist
         metrics = train(cfg)
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
         _record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)

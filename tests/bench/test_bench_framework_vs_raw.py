@@ -100,7 +100,16 @@ def test_cpu_window_and_side_summary_report_wall_and_cpu_ratios():
     assert rec["threads_cpu_s"] == {"MainThread": 6.5, "rank-liveness": 0.01, "new": 0.3}  # deltas over the window
     s = cpu_clock.summarize_ranks([{**rec, "rank": 0}, rec], steps=20)
     assert s["wall_ms"] == 500.0 and s["cpu_ms_per_rank"] == [350.0, 350.0] and s["cpu_ms"] == 700.0
-    assert cpu_clock.stamp(threads=False).keys() == {"wall", "cpu"}
+    assert cpu_clock.stamp(threads=False).keys() == {"wall", "cpu", "rusage"}
+    # page faults and system time per step: every rank's getrusage deltas over the window, summed
+    a, b = cpu_clock.stamp(threads=False), None
+    block = bytearray(64 << 20)  # touching 64 MiB of fresh pages faults them in
+    b = cpu_clock.stamp(threads=False)
+    assert b["rusage"]["minflt"] - a["rusage"]["minflt"] >= 1000 and len(block) == 64 << 20
+    faulted = cpu_clock.window({10: a, 30: b}, 10, 30, rank=0, threads=1)
+    s2 = cpu_clock.summarize_ranks([faulted, faulted], steps=20)
+    assert s2["minflt_per_step"] == 2 * faulted["rusage"]["minflt"] / 20
+    assert s2["sys_ms"] == 2 * faulted["rusage"]["stime"] / 20 * 1000.0
     assert cpu_clock.thread_cpu()["MainThread"] > 0
 
     assert fvr.round_order(1, ("raw", "framework", "no_preemption")) == ["framework", "no_preemption", "raw"]

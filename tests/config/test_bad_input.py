@@ -28,6 +28,7 @@ CASES = {
                            ["data.source.paths", "/nonexistent/*.txt"]),
     "missing_checkpoint": (["ckpt_path=/nonexistent/step_000010.ckpt"], ["ckpt_path", "/nonexistent/step_000010.ckpt"]),
     "resume_typo": (["resume=lastest"], ["resume", "latest"]),
+    "malloc_tuning_not_bool": (["malloc_tuning=maybe"], ["malloc_tuning='maybe' is invalid", "true", "false"]),
     "callback_typo_add": (["+callbacks=grad_monitr"], ["callbacks/grad_monitr", "grad_monitor"]),
     "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr"]),
     "missing_ds_config": (["strategy=deepspeed_json", "strategy.config=/nonexistent/ds.json"],

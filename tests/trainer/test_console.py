@@ -119,3 +119,6 @@ def test_two_process_console_prints_each_line_once(tmp_path_factory, shared_cach
     assert "first batch on rank 0" in proc.stdout + proc.stderr
     assert "first batch on rank 1" not in proc.stdout + proc.stderr
     assert "first batch on rank 1" in (run_dir / "rank1.log").read_text()
+    # malloc_tuning (default true) is applied on every rank, the child ranks too
+    tuned = "host allocator: glibc malloc keeps freed memory (mmap threshold 32 MiB, heap never trimmed"
+    assert tuned in (run_dir / "rank1.log").read_text() and tuned in proc.stdout + proc.stderr
