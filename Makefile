@@ -33,10 +33,15 @@ test-fast: setup
 # make bench: the CPU benchmark set (docs/benchmarks.md), < 15 min on 2 cores; not part of make test.
 # Results and plots under logs/bench/. make bench-full adds every debug callback alone.
 # bench-full: all four cells (zero2/zero3 x 1/2 ranks) x every variant (~25 min).
+# zero_memory at 2 ranks only (1 rank: every stage holds all 16 bytes/param; the full table:
+# python benchmarks/zero_memory.py); framework_vs_raw at 2 ranks, the raw loop with train.py's
+# malloc_tuning (like for like; docs/benchmarks.md 2b), 2 interleaved rounds.
+BENCH_ZERO ?= --ranks 2
+BENCH_FVR ?= --ranks 2 --rounds 2 --steps 30 --raw-malloc tuned
 BENCH_OVERHEAD ?= --cells zero2:1,zero3:2 --variants none,light,full --rounds 2
 bench: setup
-	$(PY) benchmarks/zero_memory.py
-	$(PY) benchmarks/framework_vs_raw.py --steps 30
+	$(PY) benchmarks/zero_memory.py $(BENCH_ZERO)
+	$(PY) benchmarks/framework_vs_raw.py $(BENCH_FVR)
 	$(PY) benchmarks/overhead.py $(BENCH_OVERHEAD)
 	$(PY) benchmarks/scaling.py
 

@@ -37,6 +37,12 @@ def worker(args: argparse.Namespace) -> None:
     variants = args.variants.split(",")
     results: dict[str, Any] = {"cell": args.cell, "warmup": args.warmup, "window": args.window, "fits": []}
     before = None
+    # train.py applies malloc_tuning on every rank (dsdebug.trainer.cli.run); these fits come from
+    # entry.build directly, so the worker applies it the same way (--override malloc_tuning=false: not)
+    from dsdebug.trainer.allocator import tune_malloc
+
+    tune_malloc(harness.compose([*cell_overrides(args.cell), *args.override], out / "runs" / "prime")
+                .get("malloc_tuning", True))
     if args.prime:  # the first fit of a process is slower (allocator, lazy imports, thread pools)
         harness.fit([*cell_overrides(args.cell), "debug=none", *args.override, f"trainer.max_steps={args.prime}"],
                     out / "runs" / "prime")
