@@ -36,7 +36,7 @@ from dsdebug.checkpoint.preemption import PreemptionCheckpoint
 from dsdebug.dist.rank_files import RankFiles
 from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
-from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers
+from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
 from dsdebug.findings.secrets import redact
 from dsdebug.config.tokenizer_check import check_fits_model, settle_vocab_size
 from dsdebug.config.prepare import is_prepared
@@ -51,16 +51,16 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     for callback in callbacks:  # checks that compare the run's config across ranks (consistency)
         if hasattr(callback, "bind_config"):
             callback.bind_config(cfg)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = instantiate_section(cfg.data, "data")
     pretrained = getattr(datamodule, "pretrained", None)
     if pretrained is not None:  # a hub tokenizer's size is known only now; model configs interpolate it
         settle_vocab_size(cfg, datamodule.vocab_size, pretrained.label)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_cfg.pop("tokenizer", None)  # read by the data config (data.tokenizer), not a module argument
-    module = hydra.utils.instantiate(
-        model_cfg,
-        optimizer=hydra.utils.instantiate(cfg.optim.optimizer),
-        scheduler=hydra.utils.instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
+    module = instantiate_section(
+        model_cfg, "model",
+        optimizer=instantiate_section(cfg.optim.optimizer, "optim.optimizer"),
+        scheduler=instantiate_section(cfg.optim.scheduler, "optim.scheduler") if cfg.optim.get("scheduler") else None,
     )
     _check_vocab(module, datamodule, pretrained_net="name_or_path" in (cfg.model.get("net") or {}))
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
@@ -77,12 +77,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     loggers = instantiate_loggers(cfg.get("logger"))
     # every scalar any logger gets also lands in <run_dir>/history.jsonl (for the report)
     loggers.append(HistoryLogger(cfg.paths.output_dir))
-    strategy = hydra.utils.instantiate(cfg.strategy)
+    strategy = instantiate_section(cfg.strategy, "strategy")
     if getattr(strategy, "wall_clock_breakdown", False):  # the ds_config turned DeepSpeed's timers on
         from dsdebug.callbacks.ds_wall_clock import DeepSpeedWallClock
 
         callbacks.append(DeepSpeedWallClock())
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers)
+    trainer = instantiate_section(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     return datamodule, module, trainer, final_ckpt
 
 

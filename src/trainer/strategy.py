@@ -36,6 +36,23 @@ from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_
 log = logging.getLogger(__name__)
 
 
+def _check_ddp_keys(kwargs: dict[str, Any]) -> None:
+    """Lightning hands keys it does not know to DistributedDataParallel, which raises a TypeError
+    only once the ranks run: a key neither takes is a one-line error now."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours = ["comm_hook", "powersgd_rank", "powersgd_warm_start", "powersgd_start_iter"]
+    lightning = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    torch_ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
+                 if n not in ("self", "module", "device_ids", "output_device", "process_group", "kwargs")]
+    unknown = sorted(set(kwargs) - set(ours + lightning + torch_ddp))
+    if unknown:
+        raise ConfigError(f"strategy.{unknown[0]} is not an option of the DDP strategy; valid: "
+                          f"{', '.join(dict.fromkeys(ours + lightning + torch_ddp))}")
+
+
 class DebugDDPStrategy(HydraLauncherMixin, DDPStrategy):
     """Lightning's DDP with Hydra-aware child launching and a configurable comm hook
     (``comm_hook``: none | fp16 | bf16 | powersgd; see comm_options.py), registered on CPU too."""
@@ -48,6 +65,7 @@ class DebugDDPStrategy(HydraLauncherMixin, DDPStrategy):
         self._powersgd = {"powersgd_rank": powersgd_rank, "powersgd_warm_start": powersgd_warm_start,
                           "powersgd_start_iter": powersgd_start_iter}
         check_ddp_options(self.comm_hook, self._powersgd, kwargs)
+        _check_ddp_keys(kwargs)
         if self.comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ConfigError("strategy.comm_hook and strategy.ddp_comm_hook are both set; valid: one of them")
         if self.comm_hook == "bf16" and not torch.cuda.is_available():  # fail before any rank starts
@@ -77,11 +95,13 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
     except that HF-style ``"auto"`` values are resolved from the trainer/model at setup.
     """
 
+    OPTIONS = ("communication_data_type", *ZERO_PLUS_PLUS)  # ours, taken from **kwargs (config/instantiate.py lists them)
+
     def __init__(self, config: str | dict | None = None, **kwargs: Any) -> None:
         self._ds_config_source = config if isinstance(config, str) else None
         if isinstance(config, str):
             config = load_ds_config(config)
-        comm = {k: kwargs.pop(k) for k in ("communication_data_type", *ZERO_PLUS_PLUS) if k in kwargs}
+        comm = {k: kwargs.pop(k) for k in self.OPTIONS if k in kwargs}
         # only a user's ds_config asks for activation checkpointing: Lightning's own default config
         # (strategy=zero2 without a config) always carries an all-false "activation_checkpointing"
         # section, which turned gradient checkpointing on in every run (+~30 % CPU per step, issue 16)

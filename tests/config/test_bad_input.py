@@ -158,6 +158,27 @@ def test_unknown_logger_option(tmp_path, shared_cache):
                                   "valid: save_dir, name, version"])
 
 
+# Every section `entry.build` instantiates: a key its target does not take (only reachable with "+", the
+# keys in conf/ are struct) names the key, the target and the valid options. Without the check: Hydra's
+# multi-line InstantiationException (strategy, trainer, data, model), or a traceback only once the
+# ranks run (DDP hands unknown keys to DistributedDataParallel; optimizer/scheduler are partials).
+@pytest.mark.parametrize("overrides,must_contain", [
+    (["strategy=ddp", "+strategy.bogus=1"], ["strategy.bogus is not an option of the DDP strategy",
+                                             "bucket_cap_mb", "static_graph"]),
+    (["strategy=zero3", "+strategy.stage3_max_reuse_distance=0"],
+     ["strategy.stage3_max_reuse_distance is not an option of dsdebug.trainer.strategy.DebugDeepSpeedStrategy",
+      "communication_data_type", "reduce_bucket_size", "strategy=deepspeed_json strategy.config=<file>"]),
+    (["+trainer.bogus=1"], ["trainer.bogus is not an option of lightning.pytorch.Trainer", "max_steps"]),
+    (["+data.bogus=1"], ["data.bogus is not an option of dsdebug.data.datamodule.LMDataModule", "seq_len"]),
+    (["+model.bogus=1"], ["model.bogus is not an option of dsdebug.models.lm_module.CausalLMModule", "net"]),
+    (["+optim.optimizer.bogus=1"], ["optim.optimizer.bogus is not an option of torch.optim.AdamW", "weight_decay"]),
+    (["+optim.scheduler.bogus=1"], ["optim.scheduler.bogus is not an option of dsdebug.models.optim.warmup_cosine",
+                                    "warmup_ratio"]),
+], ids=["ddp", "deepspeed", "trainer", "data", "model", "optimizer", "scheduler"])
+def test_unknown_key_of_a_built_section(overrides, must_contain, tmp_path, shared_cache):
+    _assert_one_line_error(run_train(FAST + overrides, tmp_path, shared_cache), must_contain)
+
+
 def test_data_file_not_utf8(tmp_path, shared_cache):
     garbage = tmp_path / "garbage.txt"
     garbage.write_bytes(bytes(range(128, 256)) * 40)  # never valid UTF-8
