@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsdebug.errors import ConfigError
 from dsdebug.config import ds_keys
@@ -129,7 +129,7 @@ def check_ds_json(cfg: Any) -> None:
         settle_batch(ds, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches, _world_size(cfg), source)
 
 
-def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool) -> None:
+def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool | Callable[[], bool]) -> None:
     """Make the Hydra config follow the numbers a ds_config.json fixes (the JSON wins)."""
     source = cfg.strategy.get("config")
     if not isinstance(source, str):
@@ -158,7 +158,7 @@ def apply_ds_json_to_cfg(cfg: Any, fp16_supported: bool) -> None:
     if fp16 is True and bf16 is True:
         raise ConfigError(f"{source}: fp16.enabled and bf16.enabled are both true; enable at most one")
     if fp16 is True:
-        if fp16_supported:
+        if fp16_supported() if callable(fp16_supported) else fp16_supported:  # a probe: asked only here
             set_value("trainer.precision", "16-mixed", "fp16.enabled")
         else:
             log.warning(

@@ -31,11 +31,7 @@ def _instantiate_group(group: DictConfig | None, kind: str) -> list:
     for name, conf in group.items():
         if isinstance(conf, DictConfig) and "_target_" in conf:
             log.debug("instantiating %s %s <%s>", kind, name, conf._target_)
-            try:
-                objects.append(hydra.utils.instantiate(conf))
-            except Exception as e:  # noqa: BLE001
-                _raise_if_unknown_option(e, f"{'logger' if kind == 'logger' else 'callbacks'}.{name}", conf._target_)
-                raise
+            objects.append(instantiate_section(conf, f"{'logger' if kind == 'logger' else 'callbacks'}.{name}"))
     return objects
 
 

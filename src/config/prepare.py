@@ -16,8 +16,9 @@ Lightning starts by re-running the entry point with ``LOCAL_RANK`` set)::
         config/prepare.py prepare(cfg)                THIS: validate once, then every derivation
         trainer/entry.py train(cfg)                   build -> fit -> export -> report
 
-What ``prepare`` changes in ``cfg`` (in this order; validation comes first, so bad input fails in
-about a second, before torch/Lightning are imported):
+What ``prepare`` changes in ``cfg`` (in this order). None of it imports torch, Lightning, DeepSpeed or
+transformers (but for the probes named in config/validate.py), so bad input fails in under a
+second; tests/config/test_validation_imports.py holds that:
 
 1. ``validate_config`` (config/validate.py): every key checked, one-line ConfigError. It also
    fits ``trainer.devices``/``num_nodes`` to an external launcher's world (dist/launch_env.py).
@@ -43,6 +44,7 @@ from dsdebug.config.ds_config import apply_ds_json_to_cfg
 from dsdebug.config.global_batch import apply_global_batch_size, world_size
 from dsdebug.config.tokenizer_check import settle_tokenizer
 from dsdebug.config.validate import fp16_supported, validate_config
+from dsdebug.models.optim import scaled_lr
 
 __all__ = ["prepare", "is_prepared"]
 
@@ -59,11 +61,9 @@ def prepare(cfg: DictConfig) -> DictConfig:
     settle_tokenizer(cfg)
     if str(cfg.trainer.accelerator) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from dsdebug.models.optim import scaled_lr  # imports torch: only once the config is known good
-
     with open_dict(cfg):
         apply_global_batch_size(cfg)
-        apply_ds_json_to_cfg(cfg, fp16_supported(str(cfg.trainer.accelerator)))
+        apply_ds_json_to_cfg(cfg, lambda: fp16_supported(str(cfg.trainer.accelerator)))
         global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size(cfg)
         cfg.optim.optimizer.lr = scaled_lr(float(cfg.optim.lr), global_batch, cfg.optim.get("scale_lr_base_batch_size"))
     _prepared[id(cfg)] = weakref.ref(cfg)

@@ -1,8 +1,10 @@
 """Checks on the composed config that must fail before anything is built or launched.
 
 Each failure is a one-line `ConfigError` naming the key and the valid values. Nothing here
-imports torch, Lightning or transformers (except the GPU/fp16 probes), so a bad value fails
-in ~1 s. The table of bad inputs and their errors: docs/bad_inputs.md.
+imports torch, Lightning, DeepSpeed or transformers, so a bad value fails in under a second
+(tests/config/test_validation_imports.py holds it), except the probes that run last and only when
+asked: the GPU count (trainer=gpu), fp16 on a CPU (16-mixed) and DeepSpeed's own schema for a
+ds_config.json's zero section. The table of bad inputs and their errors: docs/bad_inputs.md.
 """
 
 from __future__ import annotations
@@ -76,12 +78,6 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.precision={precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
     _validate_devices(t)
     check_launcher_matches(cfg)
-    accelerator = str(t.accelerator)
-    if precision.startswith("16") and not fp16_supported(accelerator):
-        raise ConfigError(
-            "trainer.precision=16-mixed: this CPU has no fp16 support (needs AVX512-FP16/AMX); "
-            "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
-        )
     if not isinstance(cfg.get("malloc_tuning", True), bool):
         raise ConfigError(f"malloc_tuning={cfg.get('malloc_tuning')!r} is invalid; valid: true (keep freed host "
                           "memory for reuse), false (glibc's defaults)")
@@ -99,8 +95,17 @@ def validate_config(cfg: DictConfig) -> None:
     _check_moe_aux_coef(cfg.model)
     _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
-    check_ds_json(cfg)
     check_targets(cfg)
+    # Last, the checks that ask the machine or a library: torch for the GPU count and CPU fp16,
+    # DeepSpeed's own schema for a ds_config.json's zero section. Every other value has been
+    # checked by now without importing either (tests/config/test_validation_imports.py).
+    _probe_gpus(t)
+    if precision.startswith("16") and not fp16_supported(str(t.accelerator)):
+        raise ConfigError(
+            "trainer.precision=16-mixed: this CPU has no fp16 support (needs AVX512-FP16/AMX); "
+            "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
+        )
+    check_ds_json(cfg)
 
 
 def _check_required(cfg: DictConfig) -> None:
@@ -132,25 +137,32 @@ def _validate_devices(t: DictConfig) -> None:
         raise ConfigError(f"trainer.num_nodes must be a positive integer, got {num_nodes!r}")
     devices = t.devices
     if accelerator in ("gpu", "cuda"):
-        import torch
+        return  # counted by _probe_gpus, after every check that needs no torch
+    if devices == "auto":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or devices > cores:
+        raise ConfigError(
+            f"trainer.devices={devices!r} CPU processes but this machine has {cores} core(s); valid: 1..{cores}"
+        )
 
-        available = torch.cuda.device_count()
-        if available == 0:
-            raise ConfigError(
-                f"trainer.accelerator={accelerator} but no CUDA GPU is visible; use trainer=cpu or trainer=ddp_sim"
-            )
-        if devices in ("auto", -1):
-            return
-        if not isinstance(devices, int) or devices < 1 or devices > available:
-            raise ConfigError(f"trainer.devices={devices!r} but {available} GPU(s) are available; valid: 1..{available}, auto")
-    else:
-        if devices == "auto":
-            return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or devices > cores:
-            raise ConfigError(
-                f"trainer.devices={devices!r} CPU processes but this machine has {cores} core(s); valid: 1..{cores}"
-            )
+
+def _probe_gpus(t: DictConfig) -> None:
+    """``trainer.devices`` against the GPUs torch sees (imports torch: GPU runs only)."""
+    accelerator, devices = str(t.accelerator), t.devices
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if available == 0:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but no CUDA GPU is visible; use trainer=cpu or trainer=ddp_sim"
+        )
+    if devices in ("auto", -1):
+        return
+    if not isinstance(devices, int) or devices < 1 or devices > available:
+        raise ConfigError(f"trainer.devices={devices!r} but {available} GPU(s) are available; valid: 1..{available}, auto")
 
 
 def _validate_data(data: DictConfig) -> None:

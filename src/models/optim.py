@@ -7,12 +7,13 @@ steps, gradient clipping at max_norm=1.0 (clipping itself is the Trainer's/DeepS
 from __future__ import annotations
 
 import logging
-from typing import Iterable
-
-import torch
-from torch.optim.lr_scheduler import LambdaLR
+from typing import TYPE_CHECKING, Iterable
 
 from dsdebug.errors import ConfigError
+
+if TYPE_CHECKING:  # the LR arithmetic below runs in config validation, before torch is imported
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
 
 log = logging.getLogger(__name__)
 
