@@ -1,4 +1,4 @@
-"""Per-rank CPU time over a step window, the same on both sides of a benchmark (issue 16).
+"""Per-rank CPU time over a step window, the same on both sides of a benchmark.
 
 Wall time on a shared VM moves with the neighbours; a process's CPU time (user + sys of all its
 threads, ``time.process_time``) barely does. Every rank stamps ``(time.time(), process_time)``

@@ -1,4 +1,4 @@
-"""What train.py costs per step over a hand-written DeepSpeed loop (issue 6, point 2).
+"""What train.py costs per step over a hand-written DeepSpeed loop.
 
     python benchmarks/framework_vs_raw.py                        # ranks 1 and 2, 2 rounds
     python benchmarks/framework_vs_raw.py --ranks 2 --rounds 4 --steps 100
@@ -15,7 +15,7 @@ with the zero_optimization dict Lightning's DeepSpeedStrategy(stage=2) produces,
   sanity validation before step 1). Its stamps are the ``time`` of history.jsonl's ``train/loss``
   rows: Lightning writes the row of history step ``s`` (0-based batch index) at the end of that
   batch, i.e. after optimizer step ``s + 1`` -- the raw loop's stamp point.
-* CPU time (issue 16): every rank's user+sys over the same steps (W, W+N], from ``cpu_clock.py``
+* CPU time: every rank's user+sys over the same steps (W, W+N], from ``cpu_clock.py``
   on both sides (a callback added on the command line for train.py); summed over ranks. Wall
   time moves with the neighbours on a shared machine, CPU time far less.
 * ``--variants``: framework ablations run in the same interleaved rounds (``VARIANTS``), each
@@ -58,7 +58,7 @@ from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, DS_CONFIG, EPS, GRAD_CLIP, LR
 
 REPO = harness.REPO
 # Framework variants (--variants): train.py as a user runs it, and ablations that each switch one
-# suspect of the 2-rank cost off (issue 16). Each is a list of extra overrides.
+# suspect of the 2-rank cost off. Each is a list of extra overrides.
 _NO_PL_SIGTERM = ["+callbacks.cpu_clock.ablate=[lightning_sigterm]"]
 VARIANTS: dict[str, list[str]] = {
     "framework": [],
@@ -66,7 +66,7 @@ VARIANTS: dict[str, list[str]] = {
     "no_pl_sigterm": _NO_PL_SIGTERM,  # Lightning's per-step SIGTERM broadcast
     "no_collectives": ["preemption.enabled=false", *_NO_PL_SIGTERM],  # both
     "no_progress_bar": ["trainer.enable_progress_bar=false"],
-    "one_session": [],  # placement as before issue 16: rank 1 in rank 0's session (env below)
+    "one_session": [],  # the old placement: rank 1 in rank 0's session (env below)
     "no_malloc_tuning": ["malloc_tuning=false"],  # glibc's defaults: memory handed back and faulted in again
 }
 VARIANT_ENV: dict[str, dict[str, str]] = {"one_session": {"DSDEBUG_RANK_SESSIONS": "0"}}

@@ -1,6 +1,6 @@
 """The pure half of ``framework_vs_raw.py`` (split from it): reading history.jsonl, the summary math,
 and results.md (wall-time table as in earlier runs, the loss check, and wall + CPU time per side;
-issue 16: CPU = user+sys of every rank over the same steps as the wall time)."""
+CPU = user+sys of every rank over the same steps as the wall time)."""
 
 from __future__ import annotations
 

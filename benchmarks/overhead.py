@@ -44,7 +44,7 @@ import harness  # noqa: E402
 PRESETS = ["none", "light", "full"]
 CALLBACKS = ["reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify",
              "log_sync",
-             # issue 14's forensics checks
+             # the forensics checks
              "replica_parity", "loss_spike", "layer_health", "moe_router", "memory", "throughput", "mixed_precision",
              "nan_triage"]
 DEFAULT_CELLS = ["zero2:1", "zero2:2", "zero3:1", "zero3:2"]

@@ -1,7 +1,7 @@
 """Tables and the plot of ``overhead.py`` (split from it; the numbers come from ``overhead.summarize``).
 
 Targets (``TARGETS``): judged on the default-run figures (wall time: A/B and direct) as before, and
-on the CPU A/B steady overhead (user+sys of every rank over the same window, issue 16), the figure
+on the CPU A/B steady overhead (user+sys of every rank over the same window), the figure
 that a shared, noisy machine moves least.
 """
 

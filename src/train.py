@@ -36,8 +36,8 @@ def main(entry: str | None = None) -> None:
     import hydra
 
     from dsdebug.trainer.cli import precheck_overrides, run
-    from dsdebug.dist.launch_env import detect
-    from dsdebug.dist.run_dir import main_argv
+    from dsdebug.distributed.launch_env import detect
+    from dsdebug.distributed.run_dir import main_argv
 
     os.environ.setdefault("PROJECT_ROOT", os.getcwd())
     os.environ.setdefault(ENV_ENTRY, str(Path(entry or sys.argv[0]).resolve()))

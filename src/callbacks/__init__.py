@@ -1,4 +1,8 @@
-"""The debug checks: one Lightning Callback per file, each reporting into the findings channel.
+"""The debug checks: one Lightning Callback per check, each reporting into the findings channel.
+
+Layout (held by tests/callbacks/test_layout.py): this folder holds the base (``base``), the helpers
+several checks share (``SHARED``), and one module or package per check; a check with helpers is a
+package whose ``__init__`` exports the class and whose ``check.py`` holds it.
 
 Facade: ``from dsdebug.callbacks import GradMonitor`` (imported on first use, so importing the
 package costs nothing and a check's module is loaded only when asked for). Each class docstring
@@ -53,6 +57,8 @@ _MODULES = {
     "ConsistencyCheck": "consistency",
     "DeepSpeedWallClock": "ds_wall_clock",
 }
+# modules every check may use: the base class, argument rules, gradient access, the step clock
+SHARED = ("base", "args", "grad_access", "step_clock")
 SEVEN = ("Reproducibility", "CommDebug", "GradMonitor", "DataInspector", "Profiler", "FreezeVerify", "LogSync")
 # checks every run has (conf/callbacks/default.yaml), not selected by a debug= preset
 ALWAYS_ON_MODULES = ("dsdebug.callbacks.grad_scale", "dsdebug.callbacks.consistency")

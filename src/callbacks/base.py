@@ -1,4 +1,5 @@
-"""`DebugCallback`: what every debug check shares — reporting and the error policy.
+"""`DebugCallback`: what every debug check shares — reporting, the error policy, argument checks,
+the every-N-steps cadence, and the running state a resume restores.
 
 Rank rules (a collective on some ranks only is a hang):
 - `report` is local: any rank may call it, for its own findings.
@@ -13,6 +14,18 @@ Error policy (``on_error``), for findings of severity ``error``:
   for checks that run before the update;
 - ``stop``: the run saves a checkpoint and stops, exiting non-zero (code 3).
 
+Arguments: ``check_args(key=(value, rule))`` with the rules of ``callbacks/args.py``; a bad value is
+one ``ConfigError`` naming ``callbacks.<name>.<key>`` and what is valid.
+
+Cadence: ``due(step)`` is true every ``every_n_steps`` steps (0 or None: never).
+
+Running state (EMAs, windows, baselines, counters) survives a resume: a check names the attributes
+that hold it in ``state_attrs``; ``state_dict`` saves them in the checkpoint (plain containers and
+tensors only, so ``torch.load(weights_only=True)`` reads them back) and ``load_state_dict`` puts
+them back, in the container types the fresh check holds (a deque keeps its maxlen). Lightning saves
+rank 0's state and hands it to every rank, so only state every rank holds alike belongs there
+(values after an all-reduce, decisions taken on every rank): a rank's own memory baseline does not.
+
 Standalone (a plain ``L.Trainer``, no framework): every check's ``setup`` first calls
 `attach_channel`, which points an unconfigured findings channel at
 ``<trainer.log_dir>/findings.jsonl`` (docs/standalone.md). Subclasses that define their own
@@ -22,11 +35,13 @@ Standalone (a plain ``L.Trainer``, no framework): every check's ``setup`` first 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections import deque
+from typing import Any, ClassVar
 
 from lightning.pytorch import Callback, Trainer
 
-from dsdebug.dist.collectives import any_rank
+from dsdebug.callbacks.args import Rule
+from dsdebug.distributed.collectives import any_rank
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, auto_configure, get_channel, needs_auto
 
@@ -47,14 +62,65 @@ def attach_channel(trainer: Any) -> None:
     auto_configure(trainer.log_dir or trainer.default_root_dir, trainer)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` in containers ``torch.load(weights_only=True)`` accepts (deque/set -> list, numpy -> Python)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, deque, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return [_plain(v) for v in items]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a tensor
+        return value.detach().cpu().clone()
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # a numpy scalar
+        return value.item()
+    return value
+
+
+def _like(current: Any, saved: Any) -> Any:
+    """``saved`` in the container type the fresh check holds (a deque keeps its maxlen)."""
+    if isinstance(current, deque):
+        return deque(saved, maxlen=current.maxlen)
+    if isinstance(current, (set, frozenset)):
+        return type(current)(saved)
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
+
+
 class DebugCallback(Callback):
     #: the callback's config name (``callbacks.<name>``), also the ``check`` of its findings
     name: str = "debug"
+    #: attributes holding the running state a resume restores (see the module docstring)
+    state_attrs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, on_error: str = "warn") -> None:
         if on_error not in POLICIES:
             raise ConfigError(f"callbacks.{self.name}.on_error={on_error!r} is invalid; valid: {', '.join(POLICIES)}")
         self.on_error = on_error
+
+    def check_args(self, **checks: tuple[Any, Rule]) -> None:
+        """``key=(value, rule)`` for each argument: the first value its rule refuses is a ConfigError
+        ``callbacks.<name>.<key>=<value> is invalid; valid: <what the rule takes>``."""
+        for key, (value, (test, valid)) in checks.items():
+            if not test(value):
+                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+
+    def due(self, step: int, every: int | None = None) -> bool:
+        """Whether ``step`` falls on the cadence ``every`` (default: ``self.every_n_steps``); 0/None: never."""
+        every = getattr(self, "every_n_steps", None) if every is None else every
+        return bool(every) and step % every == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running state of ``state_attrs``, saved in every checkpoint Lightning writes."""
+        return {attr: _plain(getattr(self, attr)) for attr in self.state_attrs if hasattr(self, attr)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved (resume); keys this version does not keep are ignored."""
+        for attr, value in state_dict.items():
+            if attr in self.state_attrs:
+                setattr(self, attr, _like(getattr(self, attr, None), value))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -114,4 +180,4 @@ class DebugCallback(Callback):
                 channel.stop_request = finding
             trainer.should_stop = True
 
-    any_rank = staticmethod(any_rank)  # dsdebug.dist.collectives.any_rank: COLLECTIVE
+    any_rank = staticmethod(any_rank)  # dsdebug.distributed.collectives.any_rank: COLLECTIVE

@@ -1,7 +1,7 @@
 """`comm_debug`: communication debugging — NCCL/torch debug env, collective timeout, comm
 time per step, and a hang watchdog that names the rank that is behind.
 
-`StepClock` (per-rank step windows, ``_step_clock.py``) and `CommTracker` (``dsdebug.dist.timing``:
+`StepClock` (per-rank step windows, ``callbacks/step_clock.py``) and `CommTracker` (``dsdebug.distributed.timing``:
 times every collective of the process and counts its bytes) are shared with `log_sync`, to tell
 a straggler from the ranks waiting for it.
 """
@@ -14,10 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsdebug.callbacks._flight_recorder import dump_path
-from dsdebug.callbacks._step_clock import StepClock
+from dsdebug.distributed.flight_recorder import dump_path
+from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.dist.timing import CommTracker, register_ddp_hook  # noqa: F401 - log_sync imports them from here
+from dsdebug.distributed.timing import CommTracker, register_ddp_hook  # noqa: F401 - log_sync imports them from here
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class CommDebug(DebugCallback):
         if self.tracker is not None:
             self._bytes_seen = dict(self.tracker.bytes)  # DDP's initial broadcast is not a step's
         if self.hang_timeout_s:
-            from dsdebug.callbacks._watchdog import HangWatchdog, watchdog_store
+            from dsdebug.distributed.hang_watchdog import HangWatchdog, watchdog_store
 
             CommDebug._fits += 1  # every rank counts the same fits: one key space per fit in the store
             self.watchdog = HangWatchdog(
@@ -252,8 +252,8 @@ class CommDebug(DebugCallback):
 
     # ---- watchdog thread, on the rank that claimed the hang flag -----------------------
     def _report_hang(self, trainer: Any, analysis: dict, beats: dict[int, dict]) -> None:
-        from dsdebug.callbacks._flight_recorder import DIR
-        from dsdebug.callbacks._watchdog import HANG_EXIT_CODE, describe_hang
+        from dsdebug.distributed.flight_recorder import DIR
+        from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE, describe_hang
 
         culprits, steps = analysis["culprits"], {b.get("step") for b in beats.values()}
         self.report(

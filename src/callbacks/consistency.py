@@ -197,8 +197,8 @@ def _config_keys(gathered: list[dict[str, Any]]) -> list[str]:
 class ConsistencyCheck(DebugCallback):
     """`ConsistencyCheck`: every rank runs the same software, hardware class, config, seed and environment.
 
-    Catches the "works on one node, hangs or drifts on many" class of failures (seed 001 #1, seed 000
-    #1/#7): a node with another torch/NCCL/DeepSpeed build (collectives hang or disagree on wire
+    Catches the "works on one node, hangs or drifts on many" class of failures (mismatched
+    environments across nodes): a node with another torch/NCCL/DeepSpeed build (collectives hang or disagree on wire
     formats), another GPU model or driver, a stale checkout or other overrides (a different config or
     seed on one node: replicas no longer train the same model), or an environment variable that
     changes how ranks communicate or compute (``NCCL_*``, ``TORCH_*``, ``OMP_NUM_THREADS``, ...).
@@ -243,7 +243,7 @@ class ConsistencyCheck(DebugCallback):
     """
     name = "consistency"
 
-    def __init__(self, env: list[str] | None = None, ignore: list[str] | None = None) -> None:
+    def __init__(self, env: list[str] | None = None, ignore: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(on_error="warn")
         for key, value in (("env", env), ("ignore", ignore)):
             if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):

@@ -42,7 +42,7 @@ _REASONS = {  # code -> (message stem, advice), checked in this order
 class FreezeVerify(DebugCallback):
     """`FreezeVerify`: freeze parameters by name, then prove what learns and what doesn't.
 
-    Catches (seed technique 6, "freeze all but one layer and check it trains"): parameters that
+    Catches (the "freeze all but one layer and check it trains" experiment): parameters that
     should learn but don't, and says why -- frozen in the model code (``requires_grad=False``
     although the config trains them), never called in forward, called but detached (no
     gradient reaches them), gradient always exactly zero, lr=0 in their param group, not in the

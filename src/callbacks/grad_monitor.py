@@ -14,7 +14,7 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 # shared with the other gradient checks; re-exported: they and the tests import them from here
-from dsdebug.callbacks._grad_access import (  # noqa: F401
+from dsdebug.callbacks.grad_access import (  # noqa: F401
     _at_accumulation_boundary, _num, display_name, grad_source, layer_of, local_grad, local_param)
 
 __all__ = ["GradMonitor", "display_name", "layer_of", "grad_source", "local_grad", "local_param"]
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class GradMonitor(DebugCallback):
     """`GradMonitor`: gradient norms, NaN/Inf, explosions, spikes and vanishing layers, before the update.
 
-    Catches (seed technique 3): a NaN/Inf gradient (named: first offending parameter, its layer,
+    Catches: a NaN/Inf gradient (named: first offending parameter, its layer,
     step, batch, and the rank whose loss was already non-finite, if any), exploding gradients
     (global norm above ``max_norm``), sudden spikes against an EMA of the global norm, and layers
     whose gradient vanished. It runs in ``on_before_optimizer_step``: after backward, before

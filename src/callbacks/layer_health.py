@@ -27,7 +27,7 @@ class LayerHealth(DebugCallback):
     """`LayerHealth`: layers that vanish, stall or explode RELATIVE to the rest of the net.
 
     grad_monitor's checks are absolute (a layer's norm < 1e-8, the global norm > max_norm); this
-    one compares layers with each other and with their own history (issue 14, seed technique 3):
+    one compares layers with each other and with their own history:
     - a layer whose gradient per element (RMS: ``sqrt(sum g^2 / numel)``, so a 4096 x 256
       embedding and a 256-element norm weigh alike) is < ``vanish_ratio`` x the median layer's;
     - a layer whose update ratio ``|W_after - W_before| / |W_before|`` (measured around the optimizer

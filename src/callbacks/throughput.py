@@ -17,8 +17,7 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
-from dsdebug.callbacks._grad_access import _num
-from dsdebug.callbacks._throughput_batch import _batch_size, _describe_loader, _seq_len  # noqa: F401 (tests)
+from dsdebug.callbacks.grad_access import _num
 
 __all__ = ["Throughput"]
 
@@ -29,7 +28,7 @@ _CPU_PEAK: float | None = None  # measured once per process
 class Throughput(DebugCallback):
     """`Throughput`: tokens/s, samples/s, step time, MFU, and why a run is slower than it should be.
 
-    Catches (seed 002 "性能瓶颈分析": GPU utilisation >= 85%, gradient sync < 20% of forward time):
+    Catches (the usual bottleneck thresholds: GPU utilisation >= 85%, gradient sync < 20% of forward time):
     an input pipeline that starves the model (``input_bound``), gradient synchronisation heavier
     than the forward pass (``comm_heavy``), an idle GPU (``low_gpu_util``), and a run that became
     slower than it was (``throughput_drop``: a throttled or shared node, swapping, a slow disk).
@@ -82,7 +81,7 @@ class Throughput(DebugCallback):
     name = "throughput"
 
     def __init__(self, warmup_steps: int = 10, window: int = 20, data_wait_threshold: float = 0.3,
-                 comm_forward_ratio: float | None = 0.2, gpu_util_threshold: float = 0.85, util_every_n_steps: int = 10,
+                 comm_forward_ratio: float | None = None, gpu_util_threshold: float = 0.85, util_every_n_steps: int = 10,
                  drop_factor: float = 2.0, drop_patience: int = 5, peak_tflops: float | None = None,
                  max_findings_per_code: int = 3, on_error: str = "warn") -> None:
         super().__init__(on_error)
@@ -231,13 +230,13 @@ class Throughput(DebugCallback):
                        "(no tokenisation/augmentation in __getitem__/collate); +callbacks=profiler shows the wait",
                        {"median_share": share, "window": list(self._shares)})
         limit = self.comm_forward_ratio
-        if limit is None:  # null: seed 002's 0.2 is an NCCL-on-GPU figure; gloo on CPU is not judged
+        if limit is None:  # null: the 0.2 rule of thumb is an NCCL-on-GPU figure; gloo on CPU is not judged
             limit = 0.2 if trainer.strategy.root_device.type == "cuda" else None
         if limit is not None and len(self._ratios) == self.window and statistics.median(self._ratios) > limit:
             ratio = statistics.median(self._ratios)
             self._emit(trainer, "comm_heavy",
                        f"rank {rank}'s gradient sync takes {ratio:.0%} of its forward time (median over {self.window} "
-                       f"steps, up to step {step}; seed 002: keep it under {limit:.0%})",
+                       f"steps, up to step {step}; keep it under {limit:.0%})",
                        "overlap communication (ZeRO overlap_comm, larger reduce_bucket_size), a lower ZeRO stage if "
                        "memory allows, larger micro-batches or gradient accumulation (fewer syncs per token), a "
                        "faster interconnect",
@@ -246,7 +245,7 @@ class Throughput(DebugCallback):
             util = statistics.fmean(self._utils)
             self._emit(trainer, "low_gpu_util",
                        f"rank {rank}'s GPU is busy {util:.0%} of the time (mean of {self.window} samples, up to step "
-                       f"{step}; seed 002: >= {self.gpu_util_threshold:.0%})",
+                       f"{step}; healthy: >= {self.gpu_util_threshold:.0%})",
                        "find the idle time: input_bound / comm_heavy findings, +callbacks=profiler; raise the "
                        "micro-batch size if memory allows", {"mean_util": util})
         self._judge_drop(trainer, step, step_s)
@@ -297,3 +296,25 @@ class Throughput(DebugCallback):
 
 def _int(v: Any, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+# -- batch and loader facts: tokens and samples of a batch, its sequence length, and a one-line
+# description of the train loader (for the data-wait finding)
+def _batch_size(batch: Any) -> tuple[int, int]:
+    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    return (int(t.numel()), int(t.shape[0])) if isinstance(t, torch.Tensor) and t.dim() else (0, 0)
+
+
+def _seq_len(batch: Any) -> int:
+    t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    return int(t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() else 0
+
+
+def _describe_loader(trainer: Any) -> str:
+    loader = trainer.train_dataloader
+    while isinstance(loader, (list, tuple, dict)) and loader:
+        loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
+    collate = getattr(loader, "collate_fn", None)
+    return (f"data.num_workers={getattr(loader, 'num_workers', '?')}, data.pin_memory="
+            f"{getattr(loader, 'pin_memory', '?')}, data.batch_size={getattr(loader, 'batch_size', '?')}, "
+            f"collate_fn={getattr(collate, '__name__', type(collate).__name__)}")

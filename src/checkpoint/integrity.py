@@ -1,4 +1,4 @@
-"""Checkpoint integrity: a manifest per checkpoint, written last and atomically (seed 002).
+"""Checkpoint integrity: a manifest per checkpoint, written last and atomically.
 
 A checkpoint is a file (DDP) or a DeepSpeed directory of per-rank shards. DeepSpeed writes its
 own ``latest`` tag file on rank 0 *before* its final barrier, so it can name a tag whose other

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
-from dsdebug.dist.collectives import any_rank
+from dsdebug.distributed.collectives import any_rank
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)

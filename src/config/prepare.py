@@ -11,7 +11,7 @@ Lightning starts by re-running the entry point with ``LOCAL_RANK`` set)::
                                                       our own child ranks (their parent checked).
       compose #2  @hydra.main                         the config the run uses
       trainer/cli.py run(cfg)
-        -m: dist/sweep.py run_job_in_subprocess       each job = a fresh `train.py` process: it
+        -m: distributed/sweep.py run_job_in_subprocess       each job = a fresh `train.py` process: it
                                                       runs this same path (no validation here)
         config/prepare.py prepare(cfg)                THIS: validate once, then every derivation
         trainer/entry.py train(cfg)                   build -> fit -> export -> report
@@ -21,7 +21,7 @@ transformers (but for the probes named in config/validate.py), so bad input fail
 second; tests/config/test_validation_imports.py holds that:
 
 1. ``validate_config`` (config/validate.py): every key checked, one-line ConfigError. It also
-   fits ``trainer.devices``/``num_nodes`` to an external launcher's world (dist/launch_env.py).
+   fits ``trainer.devices``/``num_nodes`` to an external launcher's world (distributed/launch_env.py).
 2. ``data.tokenizer``/``data.vocab_size`` from the tokenizer in use (config/tokenizer_check.py).
 3. ``DS_ACCELERATOR=cpu`` for a CPU run (DeepSpeed reads it at import).
 4. ``data.global_batch_size`` -> per-rank ``data.batch_size`` (config/global_batch.py).

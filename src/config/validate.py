@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsdebug.errors import ConfigError, fail
 from dsdebug.config.ds_config import check_ds_json
 from dsdebug.config.global_batch import check_global_batch_size
-from dsdebug.dist.launch_env import check_launcher_matches
+from dsdebug.distributed.launch_env import check_launcher_matches
 from dsdebug.config.targets import check_targets
 from dsdebug.config.tokenizer_check import check_tokenizer
 
@@ -34,7 +34,7 @@ _REQUIRED_HINTS = {
     "data.source.name": "e.g. data.source.name=roneneldan/TinyStories, or data.source.name=text "
                         "data.source.data_files=corpus.txt",
     "model.net.name_or_path": "a save_pretrained directory or a hub id, e.g. model.net.name_or_path=/path/to/model",
-    "strategy.config": "a DeepSpeed JSON file, e.g. strategy.config=examples/ds_configs/seed003_zero3.json",
+    "strategy.config": "a DeepSpeed JSON file, e.g. strategy.config=examples/ds_configs/zero3_offload_all_bf16_auto.json",
 }
 
 

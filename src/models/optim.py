@@ -1,6 +1,6 @@
 """Optimizer pieces: decay/no-decay parameter groups, warmup + cosine schedule, LR scaling.
 
-Seed 002: linear LR scaling with the global batch size, linear warmup over the first 10% of
+The usual recipe: linear LR scaling with the global batch size, linear warmup over the first 10% of
 steps, gradient clipping at max_norm=1.0 (clipping itself is the Trainer's/DeepSpeed's).
 """
 

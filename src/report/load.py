@@ -108,7 +108,7 @@ def read_top_ops(run_dir: str | Path) -> dict[str, dict[str, Any]]:
 def read_ranks(run_dir: str | Path) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any]]]:
     """(``ranks/world.json``: every rank of the job with host and run dir, or None;
     rank -> ``ranks/rank<r>.json``: the ranks whose files reached this run dir).
-    Written by src/dist/rank_files.py."""
+    Written by src/distributed/rank_files.py."""
     heard: dict[int, dict[str, Any]] = {}
     for path in sorted(Path(run_dir, "ranks").glob("rank*.json")):
         record = _json(path)

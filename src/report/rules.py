@@ -1,5 +1,5 @@
-"""The troubleshooting tables of seed 003 ("loss not falling / oscillating, OOM, too slow -> what
-to check") and the problem list of seed 002 (NCCL timeout, unstable mixed precision, failed
+"""The classic LLM-training troubleshooting table ("loss not falling / oscillating, OOM, too slow ->
+what to check") and the usual problem list (NCCL timeout, unstable mixed precision, failed
 checkpoint restore) as rules over what a run recorded.
 
 Each rule reads a ``RunData`` (history.jsonl, metrics.json, findings, crash.json, config) and

@@ -1,7 +1,7 @@
 """`sweep_index(sweep_dir)`: one page for a multirun (``logs/train/multiruns/<time>/``).
 
 Each job subdir (``0/``, ``1/``, ...) is a run dir. What a job was run with and how it ended
-come from ``sweep_summary.json`` / ``<job>/job_status.json`` (src/dist/sweep.py) when the
+come from ``sweep_summary.json`` / ``<job>/job_status.json`` (src/distributed/sweep.py) when the
 sweep got that far, else from the job's own ``.hydra/overrides.yaml`` and metrics.json /
 crash.json. Writes ``sweep_index.html`` / ``.md`` in the sweep dir, each job linked to its
 ``report.html`` where one exists.

@@ -1,6 +1,6 @@
 """CPU memory allocator settings of a training process (``malloc_tuning``, conf/train.yaml).
 
-Why (issue 16, docs/benchmarks.md 2b): a training step frees and re-allocates the same large
+Why (docs/benchmarks.md 2b): a training step frees and re-allocates the same large
 host tensors every step (activations, logits, gradient buckets, optimizer temporaries). With
 glibc's defaults the threshold between heap and ``mmap`` allocations moves as the process runs
 and the heap top is handed back to the OS once 2x that threshold is free, so from some point

@@ -45,7 +45,7 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir), version_base="1.3"):
             composed = [compose(config_name, overrides=list(job), return_hydra_config=True) for job in jobs]
-            from dsdebug.dist.submitit_job import check_sweep, launcher_kind
+            from dsdebug.distributed.submitit_job import check_sweep, launcher_kind
 
             if multirun and launcher_kind(composed[0].hydra):  # each job's ranks vs the SLURM tasks asked for
                 master = [o.input_line for o in parsed if not o.is_sweep_override()]  # what the launcher is built from
@@ -104,9 +104,9 @@ def _dead_rank(exc: BaseException) -> str | None:
     """After an exception: did a rank die? Rank 0 polls its children, a child checks its
     parent (our launcher); under any launcher the store's heartbeats name the dead rank and its
     host. If so, that is the story, not our traceback."""
-    if "dsdebug.dist.liveness" not in sys.modules:
+    if "dsdebug.distributed.liveness" not in sys.modules:
         return None  # no rank was launched yet (e.g. a bad config caught by prepare)
-    from dsdebug.dist.liveness import dead_rank_message, parent_gone_message, peer_dead_message
+    from dsdebug.distributed.liveness import dead_rank_message, parent_gone_message, peer_dead_message
 
     local = dead_rank_message() if _is_rank_zero() else parent_gone_message(wait_s=2.0)
     return local or peer_dead_message(exc)
@@ -114,7 +114,7 @@ def _dead_rank(exc: BaseException) -> str | None:
 
 def _reported_a_death() -> bool:
     """This rank wrote the rank_died finding (e.g. rank 1 when rank 0 died): it says so too."""
-    from dsdebug.dist.liveness import state
+    from dsdebug.distributed.liveness import state
 
     return bool(state.reported)
 
@@ -179,12 +179,12 @@ def run(cfg: Any, script: str | None = None) -> float | None:
     from hydra.types import RunMode
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        from dsdebug.dist.sweep import run_job_in_subprocess
+        from dsdebug.distributed.sweep import run_job_in_subprocess
 
         return run_job_in_subprocess(cfg, script)
     from dsdebug.config.prepare import prepare
 
-    from dsdebug.dist.console import filter_known_warnings, quiet_console
+    from dsdebug.distributed.console import filter_known_warnings, quiet_console
 
     filter_known_warnings()
     try:
@@ -205,7 +205,7 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         if message is None:
             raise
         if status == "rank_died":
-            from dsdebug.dist.liveness import ignore_sigterm_from_now
+            from dsdebug.distributed.liveness import ignore_sigterm_from_now
 
             ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
         fail(message, code=code, every_rank=status == "rank_died" and _reported_a_death())

@@ -30,10 +30,10 @@ from dsdebug.report.finish import finish_run
 from dsdebug.report.history import HistoryLogger
 from dsdebug.checkpoint.final_step import FinalStep
 from dsdebug.config.global_batch import world_size
-from dsdebug.dist.liveness import LivenessCallback, watch_parent
-from dsdebug.dist.liveness import state as liveness_state
+from dsdebug.distributed.liveness import LivenessCallback, watch_parent
+from dsdebug.distributed.liveness import state as liveness_state
 from dsdebug.checkpoint.preemption import PreemptionCheckpoint
-from dsdebug.dist.rank_files import RankFiles
+from dsdebug.distributed.rank_files import RankFiles
 from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
 from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
@@ -71,7 +71,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
     # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
     callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
-    from dsdebug.dist.sweep import fill_wandb_sweep_identity
+    from dsdebug.distributed.sweep import fill_wandb_sweep_identity
 
     fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
     loggers = instantiate_loggers(cfg.get("logger"))

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 
 from dsdebug.config.ds_auto import resolve_auto_values
 from dsdebug.config.ds_config import load_ds_config
-from dsdebug.dist.launcher import HydraLauncherMixin
+from dsdebug.distributed.launcher import HydraLauncherMixin
 from dsdebug.errors import ConfigError
 from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_ddp_options, check_ds_options, ds_comm_setting,
                                           report_comm_setting)
@@ -104,7 +104,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         comm = {k: kwargs.pop(k) for k in self.OPTIONS if k in kwargs}
         # only a user's ds_config asks for activation checkpointing: Lightning's own default config
         # (strategy=zero2 without a config) always carries an all-false "activation_checkpointing"
-        # section, which turned gradient checkpointing on in every run (+~30 % CPU per step, issue 16)
+        # section, which turned gradient checkpointing on in every run (+~30 % CPU per step, measured)
         self._asks_activation_checkpointing = isinstance(config, dict) and isinstance(
             config.get("activation_checkpointing"), dict)
         super().__init__(config=config, **kwargs)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from dsdebug.callbacks._watchdog import HANG_EXIT_CODE, analyze
+from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE, analyze
 from dsdebug.callbacks.comm_debug import CommDebug, CommTracker
 from dsdebug.errors import ConfigError
 from tests.conftest import SMALL_DEEPSEEK, only_run_dir, run_train

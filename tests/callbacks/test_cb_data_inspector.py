@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsdebug.callbacks.data_inspector import DataInspector, find_overlap, label_pattern, window_hashes
+from dsdebug.callbacks.data_inspector import DataInspector
+from dsdebug.callbacks.data_inspector.fingerprint import find_overlap, label_pattern, window_hashes
 from dsdebug.errors import ConfigError
 from tests.planted_data import cli_run, of
 from tests.shared_runs import healthy_run, planted_ddp_run, read_findings

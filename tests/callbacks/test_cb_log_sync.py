@@ -10,7 +10,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from dsdebug.callbacks.log_sync import LogSync, fill_wandb_sweep_identity, wandb_sweep_identity
+from dsdebug.callbacks.log_sync import LogSync
+from dsdebug.distributed.sweep import fill_wandb_sweep_identity, wandb_sweep_identity
 from dsdebug.errors import ConfigError
 from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
 from tests.planted_comm import csv_column, read_findings, wandb_records

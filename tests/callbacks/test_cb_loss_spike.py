@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsdebug.callbacks._spike_rollback import convert_range, exclusions_for_resume, position_ranges
-from dsdebug.callbacks.loss_spike import LossSpike, SpikeWindow
+from dsdebug.checkpoint.rollback import convert_range, exclusions_for_resume, position_ranges
+from dsdebug.callbacks.loss_spike import LossSpike
+from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.data.resumable import ResumableDataLoader, ResumePosition
 from dsdebug.errors import ConfigError
 from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process, train_losses

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsdebug.callbacks.memory import MemoryMonitor, expected_state_bytes, growth, oom_advice
+from dsdebug.callbacks.memory import MemoryMonitor
+from dsdebug.callbacks.memory.footprint import expected_state_bytes, growth, oom_advice
 from dsdebug.errors import ConfigError
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
 from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsdebug.callbacks._loss_scale import ScalerReader, subnormal_fraction
+from dsdebug.callbacks.mixed_precision.loss_scale import ScalerReader, subnormal_fraction
 from dsdebug.callbacks.mixed_precision import MixedPrecisionCheck
 from dsdebug.errors import ConfigError
 from dsdebug.findings import get_channel

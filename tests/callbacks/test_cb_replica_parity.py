@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsdebug.callbacks.replica_parity import ReplicaParity, checksums, divergent
-from dsdebug.callbacks.reproducibility import _only
+from dsdebug.callbacks.replica_parity import ReplicaParity
+from dsdebug.callbacks.replica_parity.checksums import checksums, divergent
+from dsdebug.callbacks.reproducibility.replay import _only
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
 from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, only_run_dir, run_train

@@ -107,7 +107,7 @@ def test_pytorch_nondeterministic_op_warning_becomes_a_finding(tmp_path, isolate
 
 
 def test_replay_comparison_names_the_first_differing_module():
-    from dsdebug.callbacks.reproducibility import first_difference
+    from dsdebug.callbacks.reproducibility.replay import first_difference
 
     def rec(name, value):
         t = torch.full((4,), float(value), dtype=torch.float64)

@@ -100,7 +100,7 @@ def test_slowdown_from_step_8_is_throughput_drop_and_summary(tmp_path, shared_ca
 def test_comm_heavy_reads_comm_debugs_tracker_only_when_it_exists(monkeypatch):
     from dsdebug.callbacks.comm_debug import CommTracker
 
-    cb = Throughput(window=3)
+    cb = Throughput(window=3, comm_forward_ratio=0.2)
     seen = []
     monkeypatch.setattr(cb, "report", lambda trainer, sev, code, msg, *a, **k: seen.append((code, msg)))
     cb._fwd_end = 10.0
@@ -111,3 +111,17 @@ def test_comm_heavy_reads_comm_debugs_tracker_only_when_it_exists(monkeypatch):
     cb._ratios.extend([0.1, 0.5, 0.6])
     cb._judge(_Trainer(), 7, 1.0)
     assert [c for c, _ in seen] == ["comm_heavy"] and "gradient sync takes 50% of its forward time" in seen[0][1]
+
+
+def test_comm_ratio_default_judges_cuda_only(monkeypatch):
+    """The default (null, as in conf/callbacks/throughput.yaml) is 0.2 on CUDA and not judged on CPU,
+    where gloo's healthy sync/forward ratio is 0.55-1.8: standalone and under Hydra alike."""
+    for device, expected in (("cpu", []), ("cuda", ["comm_heavy"])):
+        cb = Throughput(window=3)
+        seen = []
+        monkeypatch.setattr(cb, "report", lambda trainer, sev, code, msg, *a, **k: seen.append(code))
+        cb._ratios.extend([0.6, 0.7, 0.8])
+        trainer = _Trainer()
+        trainer.strategy = SimpleNamespace(root_device=SimpleNamespace(type=device))
+        cb._judge(trainer, 7, 1.0)
+        assert seen == expected, device

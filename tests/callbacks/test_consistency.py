@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from dsdebug.errors import ConfigError
 from dsdebug.findings.ranks import name_ranks, rank_ranges
 from dsdebug.callbacks.consistency import ConsistencyCheck, compare_facts, config_facts, env_facts, rank_facts
-from dsdebug.dist.log_format import HostFormatter
-from dsdebug.dist.rank_files import merge_payloads, rank_payload
+from dsdebug.distributed.log_format import HostFormatter
+from dsdebug.distributed.rank_files import merge_payloads, rank_payload
 
 
 def _rank(host: str, **facts) -> dict:

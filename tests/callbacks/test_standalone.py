@@ -1,4 +1,4 @@
-"""The checks in a plain Lightning project (issue 15): no dsdebug config, no Hydra, no setup call.
+"""The checks in a plain Lightning project: no dsdebug config, no Hydra, no setup call.
 
 - 1 process, in this process: the findings channel configures itself from ``trainer.log_dir``
   (a second fit gets its own file; the framework's configure_channel wins), info findings reach
@@ -85,7 +85,7 @@ def test_float_batches_compared_by_value_and_channel_configures_itself(tmp_path,
 
 
 def test_float_fingerprint_sees_fractional_differences():
-    from dsdebug.callbacks._fingerprint import fingerprint
+    from dsdebug.callbacks.data_inspector.fingerprint import fingerprint
 
     x = torch.rand(4, 8)  # in [0, 1): all zeros once truncated
     a, weights = fingerprint(x, None)
@@ -188,7 +188,7 @@ def test_installed_checks_in_a_plain_ddp_project(tmp_path, shared_cache):
     assert {r.get("rank") for r in timeline} >= {0, 1}
     assert out.count("[freeze_verify/freeze_verified]") == 1  # info on the console, once
 
-    # must-show 2: the installed entry point, from a directory that is not the checkout
+    # the installed entry point, from a directory that is not the checkout
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     args = [a for a in FAST if not a.startswith("trainer.max_steps")] + SMALL_DEEPSEEK

@@ -26,22 +26,22 @@ def _cfg(path, devices=1):
 
 
 def test_numbers_in_the_json_become_the_run_settings():
-    cfg = _cfg(EXAMPLES / "seed002_zero3_offload_fp16.json")
+    cfg = _cfg(EXAMPLES / "zero3_offload_optimizer_fp16.json")
     apply_ds_json_to_cfg(cfg, fp16_supported=True)
     assert cfg.data.batch_size == 8 and cfg.trainer.accumulate_grad_batches == 4
     assert cfg.trainer.precision == "16-mixed"
-    cfg = _cfg(EXAMPLES / "seed002_zero3_offload_fp16.json")
+    cfg = _cfg(EXAMPLES / "zero3_offload_optimizer_fp16.json")
     apply_ds_json_to_cfg(cfg, fp16_supported=False)  # a CPU without fp16
     assert cfg.trainer.precision == "bf16-mixed"
 
 
 def test_auto_values_resolve_from_trainer_and_model():
-    config = load_ds_config(EXAMPLES / "seed003_zero3.json")
+    config = load_ds_config(EXAMPLES / "zero3_offload_all_bf16_auto.json")
     module = SimpleNamespace(
         trainer=SimpleNamespace(accumulate_grad_batches=2, precision="bf16-mixed"),
         net=SimpleNamespace(config=SimpleNamespace(hidden_size=256)),
     )
-    resolve_auto_values(config, module, source="seed003_zero3.json")
+    resolve_auto_values(config, module, source="zero3_offload_all_bf16_auto.json")
     # Lightning fills these from the trainer when they are absent
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert key not in config
@@ -92,10 +92,10 @@ def test_inconsistent_batch_keys_are_one_line_errors(keys, devices, match, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,trainer", [("seed003_zero3.json", "ddp_sim")])
-def test_seed_json_trains(name, trainer, tmp_path, shared_cache):
+@pytest.mark.parametrize("name,trainer", [("zero3_offload_all_bf16_auto.json", "ddp_sim")])
+def test_article_ds_config_trains(name, trainer, tmp_path, shared_cache):
     # from the command line, as the README shows it: one optimizer step of a smaller DeepSeek; the
-    # other seed files train in the ds_config corpus's process group (tests/config/test_ds_config_corpus.py)
+    # other article configs train in the ds_config corpus's process group (tests/config/test_ds_config_corpus.py)
     args = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.limit_val_batches"))] + [
         "strategy=deepspeed_json", f"strategy.config={EXAMPLES / name}", f"trainer={trainer}",
         "trainer.max_steps=1", "trainer.limit_val_batches=1", "export.hf=false", *SMALL_DEEPSEEK]
@@ -106,7 +106,7 @@ def test_seed_json_trains(name, trainer, tmp_path, shared_cache):
     assert m["global_step"] == 1 and m["precision"] == "bf16-mixed"
     assert m["zero_stage"] == json.loads((EXAMPLES / name).read_text())["zero_optimization"]["stage"]
     resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
-    if name.startswith("seed002"):
+    if name.startswith("zero3_offload_optimizer_fp16"):
         assert resolved.data.batch_size == 8 and resolved.trainer.accumulate_grad_batches == 4
         assert "downgraded" in (run_dir / "train.log").read_text() or "fp16" in proc.stderr
 

@@ -22,7 +22,7 @@ DOC = REPO / "docs" / "ds_config.md"
 TRAINS = ["hf_zero2.json", "hf_zero3.json", "hf_zero3_bfloat16.json", "dse_megatron_zero2.json",
           "dse_cifar_cpu_offload.json", "wall_clock_breakdown.json", "dse_autotuning_z3.json"]
 # the source articles' files (examples/, README's commands) ride in the same process group
-SEEDS = ["examples/ds_configs/seed002_zero3_offload_fp16.json", "examples/ds_configs/seed003_zero2.json"]
+ARTICLE_CONFIGS = ["examples/ds_configs/zero3_offload_optimizer_fp16.json", "examples/ds_configs/zero2_offload_bf16_auto.json"]
 # file -> the start of its one-line error (after "error: <path>: ")
 ERRORS = {
     "dse_onebit_adam.json": "optimizer.type=OneBitAdam: 1-bit optimizers compress the gradient all-reduce",
@@ -47,7 +47,7 @@ def corpus_facts(tmp_path_factory, cache) -> dict:
         for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
             env.pop(var, None)
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "ds_config_corpus.py"), "--devices", "2",
-                               "--out", str(out), *TRAINS, *SEEDS], cwd=REPO, env=env, capture_output=True, text=True,
+                               "--out", str(out), *TRAINS, *ARTICLE_CONFIGS], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         _facts.update(json.loads(out.read_text()))
@@ -86,7 +86,7 @@ def test_deprecated_keys_are_translated(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TRAINS + SEEDS)
+@pytest.mark.parametrize("name", TRAINS + ARTICLE_CONFIGS)
 def test_corpus_config_trains_two_processes(name, tmp_path_factory, shared_cache):
     facts = corpus_facts(tmp_path_factory, shared_cache)[name]
     assert (facts["world_size"], facts["global_step"]) == (2, 2)
@@ -134,8 +134,8 @@ def test_corpus_settles_batch_precision_and_deprecations(tmp_path_factory, share
     assert "data.batch_size=2 (from train_batch_size=4 by DeepSpeed's rule)" in \
         _logs(facts["dse_cifar_cpu_offload.json"], "INFO")
     assert facts["dse_megatron_zero2.json"]["batch_size"] == 8
-    seed002 = facts[SEEDS[0]]  # micro batch 8 x accumulation 4 from the file, fp16 -> this CPU's precision
-    assert (seed002["batch_size"], seed002["accumulate_grad_batches"], seed002["precision"]) == (8, 4, fp16)
+    fp16_file = facts[ARTICLE_CONFIGS[0]]  # micro batch 8 x accumulation 4 from the file, fp16 -> this CPU's precision
+    assert (fp16_file["batch_size"], fp16_file["accumulate_grad_batches"], fp16_file["precision"]) == (8, 4, fp16)
     assert facts["dse_cifar_cpu_offload.json"]["precision"] == facts["dse_megatron_zero2.json"]["precision"] == fp16
     assert "cpu_offload=true -> offload_optimizer.device=cpu (deprecated)" in \
         _logs(facts["dse_cifar_cpu_offload.json"], "INFO")

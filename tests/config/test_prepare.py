@@ -1,4 +1,4 @@
-"""prepare(cfg): the config is validated once and derived once on the way to fit (issue 15)."""
+"""prepare(cfg): the config is validated once and derived once on the way to fit."""
 
 from __future__ import annotations
 

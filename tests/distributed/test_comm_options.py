@@ -1,4 +1,4 @@
-"""Communication options as configuration (issue 16): DDP comm hooks and ZeRO comm keys from
+"""Communication options as configuration: DDP comm hooks and ZeRO comm keys from
 conf/strategy/, the bytes each collective is handed, and the run's ``comm/comm_setting`` finding.
 
 The unit tests register the real torch hooks on a 1-process gloo DDP model and count the bytes
@@ -15,7 +15,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from dsdebug.dist.timing import CommTracker, payload_bytes
+from dsdebug.distributed.timing import CommTracker, payload_bytes
 from dsdebug.errors import ConfigError
 from dsdebug.trainer.comm_options import build_ddp_hook
 from tests.conftest import TINY_NET, assert_ok, metrics, only_run_dir, run_train
@@ -118,7 +118,7 @@ def test_bucket_bytes_are_counted_from_the_registered_hook(one_rank_group, hook,
     """The real torch hook on a DDP model: the tracker sees the bucket's all_reduce and its bytes."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from dsdebug.dist.timing import _timed_allreduce_hook
+    from dsdebug.distributed.timing import _timed_allreduce_hook
 
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)))
     n_params = sum(p.numel() for p in model.parameters())

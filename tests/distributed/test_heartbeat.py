@@ -1,4 +1,4 @@
-"""Liveness through the store (src/dist/heartbeat.py), without processes: ranks are Heartbeat
+"""Liveness through the store (src/distributed/heartbeat.py), without processes: ranks are Heartbeat
 objects on one in-memory store. What the torchrun tests (tests/distributed/test_rank_death_torchrun.py) cannot
 show on one machine: a rank on another host is found dead by its stale heartbeat alone (no pid to
 check), a rank that said it exits is not, the store's host gone names rank 0, and the verdict is
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dsdebug.dist.heartbeat import Heartbeat, describe
+from dsdebug.distributed.heartbeat import Heartbeat, describe
 
 
 class FlakyStore:
@@ -125,7 +125,7 @@ def test_a_rank_that_failed_on_its_own_ends_the_search_at_once(ranks):
 
 GUARD = """
 import os, signal, time
-from dsdebug.dist import liveness
+from dsdebug.distributed import liveness
 liveness._guard_sigterm()
 liveness.state.failing = True            # this rank is writing its finding after a peer died
 os.kill(os.getpid(), signal.SIGTERM)     # torchrun's agent stopping the node's workers

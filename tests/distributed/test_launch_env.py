@@ -92,7 +92,7 @@ SRUN_2X2 = {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "
 
 
 def test_detect_names_each_launcher_and_its_world():
-    from dsdebug.dist.launch_env import detect
+    from dsdebug.distributed.launch_env import detect
 
     got = {name: detect(env) for name, env in
            (("torchrun", TORCHRUN_2X2), ("deepspeed", DEEPSPEED_2X2), ("srun", SRUN_2X2))}
@@ -105,7 +105,7 @@ def test_detect_names_each_launcher_and_its_world():
 
 @pytest.mark.parametrize("env", [TORCHRUN_2X2, DEEPSPEED_2X2, SRUN_2X2], ids=["torchrun", "deepspeed", "srun"])
 def test_the_launchers_world_replaces_the_configs_defaults(env, monkeypatch):
-    from dsdebug.dist.launch_env import check_launcher_matches
+    from dsdebug.distributed.launch_env import check_launcher_matches
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -118,7 +118,7 @@ def test_the_launchers_world_replaces_the_configs_defaults(env, monkeypatch):
 
 
 def test_deepspeeds_local_rank_argument_is_taken_off_hydras_command_line(monkeypatch):
-    from dsdebug.dist.run_dir import strip_local_rank
+    from dsdebug.distributed.run_dir import strip_local_rank
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert strip_local_rank(["--local_rank=1", "strategy=zero2", "trainer.max_steps=3"]) == [
@@ -129,7 +129,7 @@ def test_deepspeeds_local_rank_argument_is_taken_off_hydras_command_line(monkeyp
 
 
 def test_slurm_run_id_is_the_job_or_array_task():
-    from dsdebug.dist.run_dir import slurm_run_id
+    from dsdebug.distributed.run_dir import slurm_run_id
 
     assert slurm_run_id({"SLURM_JOB_ID": "123"}) == "slurm-123"
     assert slurm_run_id({"SLURM_JOB_ID": "124", "SLURM_ARRAY_JOB_ID": "120", "SLURM_ARRAY_TASK_ID": "4"}) == "slurm-120_4"

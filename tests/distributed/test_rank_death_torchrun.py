@@ -1,5 +1,5 @@
 """Failures without a parent process, under real torchrun on localhost: no rank is the parent of
-another, so the ranks learn of a death through the rendezvous store (src/dist/heartbeat.py).
+another, so the ranks learn of a death through the rendezvous store (src/distributed/heartbeat.py).
 
 - 1 node x 2: rank 1 SIGKILLs itself; torchrun's agent SIGTERMs rank 0 at once, while rank 0 is
   failing on gloo's 'Connection closed by peer' (the SIGTERM is held until the finding is written);

@@ -1,4 +1,4 @@
-"""Sweeps through Hydra's submitit launchers (src/dist/submitit_job.py): a submitit_local multirun
+"""Sweeps through Hydra's submitit launchers (src/distributed/submitit_job.py): a submitit_local multirun
 (one job preempted, checkpointed and requeued by submitit; W&B offline groups the jobs), the sbatch
 script submitit_slurm submits (rendered by the real launcher, caught by a stand-in ``sbatch``), a
 2-task SLURM job run by stand-in sbatch/srun as one 2-rank run, and the job shapes refused in one
@@ -71,7 +71,7 @@ def test_submitit_local_sweep_with_a_preempted_and_requeued_job(tmp_path, shared
 
 
 def test_submitit_slurm_submits_one_job_array_of_multi_process_jobs(tmp_path, shared_cache):
-    # seed 002's sweep: 3 learning rates, concurrent: 3 -> one array of 4 jobs, 3 at a time; each
+    # a typical sweep: 3 learning rates, concurrent: 3 -> one array of 4 jobs, 3 at a time; each
     # job 2 nodes x 2 processes (its SLURM tasks are the ranks of one run)
     env, caught = fake_slurm.install(tmp_path)  # sbatch keeps the script and refuses it
     args = ["-m", "hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=30",

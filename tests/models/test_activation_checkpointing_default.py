@@ -1,4 +1,4 @@
-"""Gradient checkpointing is on only when a user's ds_config asks for it (issue 16).
+"""Gradient checkpointing is on only when a user's ds_config asks for it.
 
 Lightning's DeepSpeedStrategy builds its default config (no ds_config given: strategy=zero2) with
 an all-false "activation_checkpointing" section; taking that for a request recomputed every

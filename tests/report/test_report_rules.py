@@ -1,4 +1,4 @@
-"""Each troubleshooting rule (seed 003 table, seed 002 problem list) fires on a run whose records
+"""Each troubleshooting rule (the troubleshooting table, the usual problem list) fires on a run whose records
 show the problem, with the evidence in its message, and stays silent on a healthy run."""
 
 from __future__ import annotations

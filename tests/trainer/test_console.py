@@ -1,4 +1,4 @@
-"""A clean console (src/dist/console.py): no line of a default run is printed twice, no compiler
+"""A clean console (src/distributed/console.py): no line of a default run is printed twice, no compiler
 lines, no advertisement, no "Epoch 0/-2", and the known third-party warnings are filtered.
 
 What "a line" is here: stdout and stderr split at newlines and carriage returns (a progress bar
@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from dsdebug.dist import console
+from dsdebug.distributed import console
 from dsdebug.trainer.progress import ThrottledRichProgressBar
 from tests.conftest import SMALL_DEEPSEEK, assert_ok, run_train
 from tests.shared_runs import healthy_run

@@ -12,20 +12,60 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-LAYERS = ["errors", "findings", "report", "models", "data", "dist", "config", "checkpoint", "callbacks", "trainer",
+LAYERS = ["errors", "findings", "report", "models", "data", "distributed", "config", "checkpoint", "callbacks", "trainer",
           "train"]
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every ``dsdebug.*`` import in a file, at any depth (lazy imports count)."""
+def _module_name(path: Path, src: Path) -> str:
+    rel = path.relative_to(src).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(("dsdebug", *parts))
+
+
+def _dynamic_target(node: ast.Call, own: str) -> str | None:
+    """The module an ``importlib.import_module(...)`` / ``__import__(...)`` call names, if it is ours:
+    a string constant, or an f-string whose fixed head names it (``f"{__name__}.x"`` is the module's own)."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        head = arg.value
+    elif isinstance(arg, ast.JoinedStr) and arg.values:
+        first = arg.values[0]
+        if isinstance(first, ast.FormattedValue) and isinstance(first.value, ast.Name) and first.value.id == "__name__":
+            return own
+        head = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+    else:
+        return None
+    return head.rstrip(".") if head.startswith("dsdebug.") else None
+
+
+def _imports(path: Path, src: Path | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every ``dsdebug.*`` import in a file, at any depth (lazy imports count):
+    absolute and relative ``import``/``from`` statements and ``importlib.import_module`` of our modules."""
+    own = _module_name(path, src) if src is not None else "dsdebug"
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("dsdebug"):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:  # from . import x / from ..models import y
+            base = package.split(".")
+            base = base[:len(base) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+            out.append((node.lineno, module))
+            if not node.module:
+                out += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dsdebug"):
             out.append((node.lineno, node.module))
             if node.module == "dsdebug":  # from dsdebug import config
                 out += [(node.lineno, f"dsdebug.{a.name}") for a in node.names]
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("dsdebug")]
+        elif isinstance(node, ast.Call):
+            target = _dynamic_target(node, own)
+            if target is not None:
+                out.append((node.lineno, target))
     return out
 
 
@@ -41,7 +81,7 @@ def violations(src: Path) -> list[str]:
             continue
         own = _layer(rel)
         assert own in LAYERS, f"src/{'/'.join(rel)}: package {own!r} has no layer; add it to LAYERS and docs"
-        for line, module in _imports(path):
+        for line, module in _imports(path, src):
             parts = module.split(".")
             if len(parts) < 2:
                 continue
@@ -96,12 +136,15 @@ def test_no_import_cycle():
 
 
 def test_every_package_has_a_layer_and_is_installed():
-    packages = sorted(p.name for p in (REPO / "src").iterdir() if p.is_dir() and any(p.glob("*.py")))
+    src = REPO / "src"
+    packages = sorted(p.name for p in src.iterdir() if p.is_dir() and any(p.glob("*.py")))
     assert set(packages) <= set(LAYERS)
     import tomllib
 
     listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert sorted(listed) == sorted(["dsdebug", "dsdebug.conf", *(f"dsdebug.{p}" for p in packages)])
+    on_disk = ["dsdebug", "dsdebug.conf"] + [".".join(("dsdebug", *p.parent.relative_to(src).parts))
+                                            for p in src.rglob("*/__init__.py")]
+    assert sorted(listed) == sorted(on_disk)
 
 
 def test_a_planted_upward_import_fails(tmp_path):
@@ -117,3 +160,20 @@ def test_a_planted_upward_import_fails(tmp_path):
     deepseek = src / "models" / "deepseek.py"
     deepseek.write_text("from dsdebug.models.flops import flops_per_token\n" + deepseek.read_text())
     assert any({"dsdebug.models.flops", "dsdebug.models.deepseek"} <= set(c) for c in module_cycles(src))
+
+
+def test_relative_and_dynamic_imports_are_held_to_the_layers(tmp_path):
+    """A relative import or an ``importlib.import_module`` of an upper layer is caught like a plain one."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    sinks = src / "findings" / "sinks.py"
+    sinks.write_text(sinks.read_text() + "\n\ndef _late():\n    from ..callbacks import base  # planted\n")
+    ranks = src / "findings" / "ranks.py"
+    ranks.write_text(ranks.read_text() + "\n\ndef _late():\n    import importlib\n"
+                     "    return importlib.import_module('dsdebug.trainer.entry')  # planted\n")
+    channel = src / "findings" / "channel.py"
+    channel.write_text(channel.read_text() + "\n\ndef _own():\n    from . import ranks  # same layer: fine\n")
+    bad = violations(src)
+    assert len(bad) == 2, bad
+    assert any("src/findings/sinks.py" in b and "dsdebug.callbacks" in b for b in bad), bad
+    assert any("src/findings/ranks.py" in b and "dsdebug.trainer.entry" in b for b in bad), bad

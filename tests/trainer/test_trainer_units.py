@@ -12,7 +12,7 @@ from hydra.errors import InstantiationException
 
 from dsdebug.errors import ConfigError
 from dsdebug.trainer.cli import find_config_error
-from dsdebug.dist.launcher import hydra_child_command
+from dsdebug.distributed.launcher import hydra_child_command
 from dsdebug.models.optim import param_groups, scaled_lr
 from dsdebug.findings.secrets import redact
 from tests.conftest import CONF, REPO

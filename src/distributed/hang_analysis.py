@@ -1,6 +1,6 @@
 """The hang watchdog's analysis (reads, never acts): which ranks stalled or are waiting (from their heartbeats),
 where a thread is (its stack, in a collective or not), and the one message naming them.
-Re-exported from _watchdog.py (the thread that acts on it)."""
+Re-exported from hang_watchdog.py (the thread that acts on it)."""
 
 from __future__ import annotations
 

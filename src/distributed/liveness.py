@@ -35,7 +35,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from dsdebug.dist._liveness_state import _describe, _report, state
+from dsdebug.distributed._liveness_state import _describe, _report, state
 
 __all__ = ["LivenessCallback", "state", "watch_children", "watch_parent", "dead_rank_message", "parent_gone_message",
            "peer_dead_message", "reap_children", "ending_on_purpose", "ignore_sigterm_from_now", "ENV_PARENT"]
@@ -170,7 +170,7 @@ SIGTERM_HOLD_S = 20.0  # a held SIGTERM ends the rank after this at the latest (
 
 
 def _peer_report(verdict: dict) -> str:
-    from dsdebug.dist.heartbeat import describe
+    from dsdebug.distributed.heartbeat import describe
 
     message = describe(verdict)
     if state.heartbeat is not None and state.heartbeat.claimed(verdict):
@@ -212,7 +212,7 @@ def peer_dead_message(exc: BaseException) -> str | None:
     hb = state.heartbeat
     if hb is None:
         return None
-    from dsdebug.dist.heartbeat import looks_like_comm_failure
+    from dsdebug.distributed.heartbeat import looks_like_comm_failure
 
     state.failing = True
     verdict = hb.find_dead(FIND_WAIT_S if looks_like_comm_failure(exc) else 0.0)
@@ -262,7 +262,7 @@ class LivenessCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or trainer.world_size < 2 or state.heartbeat is not None:
             return
-        from dsdebug.dist.heartbeat import PREFIX, Heartbeat, side_store
+        from dsdebug.distributed.heartbeat import PREFIX, Heartbeat, side_store
 
         store = side_store(PREFIX)
         if store is None:
@@ -281,7 +281,7 @@ class LivenessCallback(Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         state.failing = True  # before Lightning's teardown puts _guard_sigterm's handler back
         if state.heartbeat is not None:
-            from dsdebug.dist.heartbeat import looks_like_comm_failure
+            from dsdebug.distributed.heartbeat import looks_like_comm_failure
 
             state.heartbeat.mark_exit(f"failed: {type(exception).__name__}: {exception}",
                                       first_failure=not looks_like_comm_failure(exception))

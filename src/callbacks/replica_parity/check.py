@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks._grad_access import _at_accumulation_boundary, display_name
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name
 from dsdebug.errors import ConfigError
-from dsdebug.callbacks._replica_parity_checksums import _PRIME, _fp64, _scalar, checksums, divergent
+from dsdebug.callbacks.replica_parity.checksums import _PRIME, _fp64, _scalar, checksums, divergent
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
 
@@ -41,7 +41,7 @@ _KINDS = {
 class ReplicaParity(DebugCallback):
     """`ReplicaParity`: data-parallel replicas still hold the same weights, optimizer scalars and config.
 
-    Catches replicas that drifted apart silently (issue 14; NeMo's ``DdpParityChecker`` hashes the
+    Catches replicas that drifted apart silently (NeMo's ``DdpParityChecker`` hashes the
     parameters of every data-parallel replica the same way): a bit flip in one rank's memory, a
     rank-local in-place write (``if rank == 1: w.add_(...)``, a forward that edits its weights, a
     checkpoint loaded on some ranks only), a frozen parameter or buffer that was never broadcast.

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks import _spike_rollback as rb
+from dsdebug.checkpoint import rollback as rb
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks._grad_access import _at_accumulation_boundary, _num, grad_source, local_grad
-from dsdebug.callbacks._loss_spike_window import SpikeWindow
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, _num, grad_source, local_grad
+from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, get_channel
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks._loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
+from dsdebug.callbacks.mixed_precision.loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.errors import ConfigError
@@ -21,7 +21,7 @@ from dsdebug.findings import Finding
 __all__ = ["MixedPrecisionCheck"]
 
 log = logging.getLogger(__name__)
-ADVICE = ("seed 002: keep dynamic loss scaling (DeepSpeed fp16.loss_scale=0) with loss_scale_window=1000 and "
+ADVICE = ("keep dynamic loss scaling (DeepSpeed fp16.loss_scale=0) with loss_scale_window=1000 and "
           "hysteresis 2; lower initial_scale_power (16 -> 12) if the first steps all overflow; Adam eps=1e-8; "
           "gradient clipping max_norm=1.0 (optim.grad_clip); or switch to bf16 (trainer.precision=bf16-mixed: "
           "fp32's exponent range, no loss scaling)")
@@ -30,7 +30,7 @@ ADVICE = ("seed 002: keep dynamic loss scaling (DeepSpeed fp16.loss_scale=0) wit
 class MixedPrecisionCheck(DebugCallback):
     """`MixedPrecisionCheck`: fp16 loss-scale trajectory, skipped steps, overflow streaks, bf16 update underflow.
 
-    Catches (seed 002, "混合精度训练不稳定"): an fp16 run whose dynamic loss scaler keeps skipping
+    Catches (unstable mixed-precision training): an fp16 run whose dynamic loss scaler keeps skipping
     steps (a streak of overflows: the gradients are non-finite whatever the scale, i.e. a real
     NaN/Inf, not a too-high scale), a scale that collapsed to its floor (training has effectively
     stopped: every step is skipped or its gradients underflow), too many skipped steps over a window,

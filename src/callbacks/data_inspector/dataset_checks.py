@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsdebug.callbacks._fingerprint import find_overlap
+from dsdebug.callbacks.data_inspector.fingerprint import find_overlap
 
 log = logging.getLogger("dsdebug.callbacks.data_inspector")
 

@@ -4,7 +4,7 @@ What runs where (``python train.py -m hydra/launcher=slurm ...``):
 
 - the Hydra process composes the sweep, pickles the launcher and submits ONE sbatch job array:
   an array task per sweep job, ``%array_parallelism`` of them at a time. It then waits for the
-  results and prints the sweep summary (src/dist/sweep.py);
+  results and prints the sweep summary (src/distributed/sweep.py);
 - an array task is ``srun python -m submitit.core._submit``: ``tasks_per_node x nodes``
   processes, and every one of them runs the Hydra job function (src/trainer/cli.py ``run``);
 - each of those starts ``train.py`` for this job (`run_job_in_subprocess`), which inherits

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from dsdebug.dist.liveness import ENV_PARENT, watch_children
-from dsdebug.dist.liveness import state as liveness_state
+from dsdebug.distributed.liveness import ENV_PARENT, watch_children
+from dsdebug.distributed.liveness import state as liveness_state
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class HydraAwareLauncher(_SubprocessScriptLauncher):
             command, cwd = hydra_child_command(local_rank)
             log.debug("launching rank %d: %s", local_rank, command)
             # DSDEBUG_RANK_SESSIONS=1: each child rank in a session of its own, as torchrun starts its
-            # workers (under Linux autogroup scheduling a session is one CPU-share group; issue 16 measured
+            # workers (under Linux autogroup scheduling a session is one CPU-share group; measured
             # +15 % wall in one noisy round with one shared session). Off by default: rank 0 stays in the
             # caller's session, so own sessions for the children only give them more CPU share than
             # rank 0 on a loaded machine, and log_sync then names rank 0 a straggler (seen in a healthy

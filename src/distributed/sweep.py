@@ -9,7 +9,7 @@ ever creates an output dir of its own. The job's metric comes back through
 makes the sweep exit non-zero if any job failed.
 
 Under Hydra's submitit launchers the same function runs inside each submitit job process (every
-SLURM task of the job); src/dist/submitit_job.py says what runs where and how preemption,
+SLURM task of the job); src/distributed/submitit_job.py says what runs where and how preemption,
 submitit's requeue and the training's checkpoint take turns.
 """
 
@@ -39,7 +39,7 @@ def run_job_in_subprocess(cfg: DictConfig, script: str | None = None) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd
 
-    from dsdebug.dist import submitit_job
+    from dsdebug.distributed import submitit_job
 
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir)

@@ -16,8 +16,8 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError, is_out_of_memory
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
-from dsdebug.callbacks._grad_access import _at_accumulation_boundary, _num
-from dsdebug.callbacks._memory_math import GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, _num
+from dsdebug.callbacks.memory.footprint import GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes
 
 __all__ = ["MemoryMonitor", "expected_state_bytes", "growth", "oom_advice", "rss_bytes"]
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class MemoryMonitor(DebugCallback):
     """`MemoryMonitor`: per-rank peak memory, model-state bytes vs the ZeRO formula, leaks, and OOMs.
 
-    Catches (seed 003 "OOM 显存不足"): a run that leaks memory step over step (e.g. a list that keeps
+    Catches (out of memory): a run that leaks memory step over step (e.g. a list that keeps
     loss tensors with their graphs), a ZeRO stage that does not partition what it should (each rank
     holds more model-state bytes than the paper's formula for the active stage), and an out-of-memory
     crash, which becomes an ``oom`` finding with the seed-003 remedies ordered for the active config.

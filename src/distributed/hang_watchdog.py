@@ -4,7 +4,7 @@ in a blocked collective until the process-group timeout (30 min by default).
 
 Side channel: a blocked collective blocks the training thread, not this one, so the ranks
 talk through the rendezvous store (a connection of its own to the process group's store,
-``dsdebug.dist.heartbeat.side_store``; one process: an in-memory store): one heartbeat key per
+``dsdebug.distributed.heartbeat.side_store``; one process: an in-memory store): one heartbeat key per
 rank, a ``flag`` key claimed with compare_set, a ``reported`` key. No shared filesystem is
 needed: across nodes with node-local run dirs every rank still joins the same report.
 
@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
-from dsdebug.callbacks._watchdog_analysis import analyze, describe_hang, where_is  # noqa: F401 (comm_debug, tests)
+from dsdebug.distributed.hang_analysis import analyze, describe_hang, where_is  # noqa: F401 (comm_debug, tests)
 
 __all__ = ["HangWatchdog", "HANG_EXIT_CODE", "analyze", "describe_hang", "watchdog_store"]
 
@@ -44,7 +44,7 @@ def watchdog_store(fit: int) -> Any:
     """The store the watchdogs of one fit share (keys under ``dsdebug/comm_debug/<fit>``)."""
     import torch.distributed as dist
 
-    from dsdebug.dist.heartbeat import side_store
+    from dsdebug.distributed.heartbeat import side_store
 
     return side_store(f"dsdebug/comm_debug/{fit}") or dist.HashStore()
 
@@ -126,7 +126,7 @@ class HangWatchdog:
 
     def _fire(self) -> None:
         self.fired = True
-        from dsdebug.dist.liveness import ending_on_purpose
+        from dsdebug.distributed.liveness import ending_on_purpose
 
         ending_on_purpose("hang watchdog")  # the ranks now exit 124 one by one: none of them "died"
         try:
@@ -200,7 +200,7 @@ class HangWatchdog:
             f.write("\n".join(lines) + "\n\n--- faulthandler (all threads, innermost first) ---\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        from dsdebug.callbacks._flight_recorder import dump_flight_recorder
+        from dsdebug.distributed.flight_recorder import dump_flight_recorder
 
         dump_flight_recorder(self.run_dir, self.rank)
 

@@ -17,7 +17,7 @@ import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
-from dsdebug.callbacks._reproducibility_replay import (  # noqa: F401 (_only: re-exported for tests)
+from dsdebug.callbacks.reproducibility.replay import (  # noqa: F401 (_only: re-exported for tests)
     _only, _tensors, first_difference, ranks_differing, rng_state, seed_record, set_rng_state)
 
 __all__ = ["Reproducibility"]

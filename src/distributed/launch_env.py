@@ -11,7 +11,7 @@ user set explicitly on the command line (``trainer.devices=``/``trainer.num_node
 contradicts the launcher is an error, one line saying which values are valid. Every rank runs
 it; only rank 0 prints (src/trainer/cli.py).
 
-``src/dist/run_dir.py`` does the part that must happen before Hydra (one run dir per job).
+``src/distributed/run_dir.py`` does the part that must happen before Hydra (one run dir per job).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def detect(env: Mapping[str, str] | None = None) -> LauncherWorld | None:
     """The external launcher that started this process, or None (a plain ``python train.py``, or
     a child rank started by our own launcher, which passes the run dir itself)."""
     env = os.environ if env is None else env
-    if env.get("DSDEBUG_LAUNCHER_PID"):  # our own child rank (src/dist/launcher.py)
+    if env.get("DSDEBUG_LAUNCHER_PID"):  # our own child rank (src/distributed/launcher.py)
         return None
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         world = int(env.get("WORLD_SIZE", "1"))

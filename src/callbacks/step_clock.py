@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from dsdebug.dist.timing import CommTracker
+from dsdebug.distributed.timing import CommTracker
 
 
 class StepClock:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks._timeline import MERGED, STATS, TIMELINE, append_records, write_merged  # noqa: F401
+from dsdebug.callbacks.log_sync.timeline import MERGED, STATS, TIMELINE, append_records, write_merged  # noqa: F401
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
-from dsdebug.dist.sweep import fill_wandb_sweep_identity, wandb_sweep_identity  # noqa: F401 (re-exported)
+from dsdebug.distributed.sweep import fill_wandb_sweep_identity, wandb_sweep_identity  # noqa: F401 (re-exported)
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ How: a batch fingerprint is an order-sensitive int64 hash of ``input_ids`` (else
 first tensor) computed where the batch lives (no host sync). Any dtype: non-integer data
 (float features) is hashed by its bit patterns and samples by their bytes, so copies are found
 by value; the token-only checks (labels, n-gram overlap, padding, decoding) are skipped for it
-and the ``first_batch`` finding says so (library: ``_fingerprint.py``; dataset-level checks:
-``_data_checks.py``). Overlap: exact sample hashes plus rolling hashes of every
+and the ``first_batch`` finding says so (library: ``fingerprint.py``; dataset-level checks:
+``dataset_checks.py``). Overlap: exact sample hashes plus rolling hashes of every
 ``overlap_ngram``-token window (vectorised, O(tokens); ~0.15 s for the full 1M-token KJV).
 Label convention: from the first batch (labels == input_ids, or labels[t] == input_ids[t+1])
 against the module's: ``shifts_labels`` on the LightningModule if set, else known for
@@ -66,8 +66,8 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks._data_checks import DatasetChecks, _loader, _module_shifts
-from dsdebug.callbacks._fingerprint import (dataset_samples, find_overlap, fingerprint, input_ids_of,  # noqa: F401
+from dsdebug.callbacks.data_inspector.dataset_checks import DatasetChecks, _loader, _module_shifts
+from dsdebug.callbacks.data_inspector.fingerprint import (dataset_samples, find_overlap, fingerprint, input_ids_of,  # noqa: F401
                                             label_pattern, sample_hashes, window_hashes)
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError

@@ -3,7 +3,7 @@
 Hydra names a run dir ``logs/<task>/runs/${now:...}``: evaluated in each process, so every
 process an external launcher starts (torchrun, srun, ``deepspeed``) would get its own dir, and
 rank 0's findings and report would silently cover rank 0 only. Our own launcher passes its dir
-to the ranks it starts (src/dist/launcher.py); here the ranks of an external launch agree:
+to the ranks it starts (src/distributed/launcher.py); here the ranks of an external launch agree:
 
 - under SLURM the name derives from the job: ``slurm-<SLURM_JOB_ID>`` (an array task:
   ``slurm-<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``). Every task computes it alone, and a
@@ -26,7 +26,7 @@ import sys
 from datetime import datetime, timedelta
 from typing import Any
 
-from dsdebug.dist.launch_env import LauncherWorld, detect
+from dsdebug.distributed.launch_env import LauncherWorld, detect
 
 ENV_RUN_ID = "DSDEBUG_RUN_ID"
 _KEY = "dsdebug/run_id"
