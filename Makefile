@@ -1,5 +1,6 @@
 # make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU) with debug=light.
-# make test:  set up .venv and run the test suite.
+# make test:  set up .venv and run the fast tier (pytest -m "not slow"; <= 15 min on 2 cores).
+# make test-all: every test (CI runs it: .ci/run). Tiers, times, one test/one file: docs/testing.md.
 # On a CPU-only machine torch==2.13.0 is the CPU build (from the local wheel cache or
 # TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu). GPU users: see README.
 PYTHON ?= python3
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench bench-full bench-comm clean-logs
+.PHONY: setup train test test-all test-fast bench bench-full bench-comm clean-logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +25,15 @@ setup: $(STAMP)
 train: setup
 	$(PY) train.py debug=light $(ARGS)
 
+# The tiers (docs/testing.md): `slow` marks what only test-all runs (pyproject.toml [tool.pytest] markers).
+# PYTEST_ARGS picks tests: make test PYTEST_ARGS="tests/config -k bad_input"
 test: setup
+	$(PY) -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
+
+test-all: setup
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+test-fast: test  # the old name of `make test`
 
 # make bench: the CPU benchmark set (docs/benchmarks.md), < 15 min on 2 cores; not part of make test.
 # Results and plots under logs/bench/. make bench-full adds every debug callback alone.

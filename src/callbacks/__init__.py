@@ -57,8 +57,8 @@ _MODULES = {
     "ConsistencyCheck": "consistency",
     "DeepSpeedWallClock": "ds_wall_clock",
 }
-# modules every check may use: the base class, argument rules, gradient access, the step clock
-SHARED = ("base", "args", "grad_access", "step_clock")
+# modules every check may use: the base class, gradient access, the step clock
+SHARED = ("base", "grad_access", "step_clock")
 SEVEN = ("Reproducibility", "CommDebug", "GradMonitor", "DataInspector", "Profiler", "FreezeVerify", "LogSync")
 # checks every run has (conf/callbacks/default.yaml), not selected by a debug= preset
 ALWAYS_ON_MODULES = ("dsdebug.callbacks.grad_scale", "dsdebug.callbacks.consistency")

@@ -14,7 +14,7 @@ Error policy (``on_error``), for findings of severity ``error``:
   for checks that run before the update;
 - ``stop``: the run saves a checkpoint and stops, exiting non-zero (code 3).
 
-Arguments: ``check_args(key=(value, rule))`` with the rules of ``callbacks/args.py``; a bad value is
+Arguments: ``check_args(key=(value, rule))`` with the rules of ``config/args.py``; a bad value is
 one ``ConfigError`` naming ``callbacks.<name>.<key>`` and what is valid.
 
 Cadence: ``due(step)`` is true every ``every_n_steps`` steps (0 or None: never).
@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 from lightning.pytorch import Callback, Trainer
 
-from dsdebug.callbacks.args import Rule
+from dsdebug.config.args import Rule, one_of
 from dsdebug.distributed.collectives import any_rank
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, auto_configure, get_channel, needs_auto
@@ -94,10 +94,13 @@ class DebugCallback(Callback):
     name: str = "debug"
     #: attributes holding the running state a resume restores (see the module docstring)
     state_attrs: ClassVar[tuple[str, ...]] = ()
+    #: the error policies this check takes (``skip`` needs a check that judges before the update) ...
+    policies: ClassVar[tuple[str, ...]] = POLICIES
+    #: ... and why one is missing (shown in the error)
+    policy_note: ClassVar[str] = ""
 
     def __init__(self, on_error: str = "warn") -> None:
-        if on_error not in POLICIES:
-            raise ConfigError(f"callbacks.{self.name}.on_error={on_error!r} is invalid; valid: {', '.join(POLICIES)}")
+        self.check_args(on_error=(on_error, one_of(*self.policies, note=self.policy_note)))
         self.on_error = on_error
 
     def check_args(self, **checks: tuple[Any, Rule]) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from dsdebug.distributed.flight_recorder import dump_path
+from dsdebug.config.args import integer, number, one_of, seconds
 from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.distributed.timing import CommTracker, register_ddp_hook  # noqa: F401 - log_sync imports them from here
-from dsdebug.errors import ConfigError
+from dsdebug.distributed.timing import CommTracker, register_ddp_hook
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,6 @@ def _pg_timeout() -> str:
         return str(group._get_backend(group._device_types[0]).options._timeout)
     except Exception:  # noqa: BLE001 - no process group (single process) or another backend
         return "n/a"
-
-
-def _seconds_or_none(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
 
 
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
@@ -71,9 +67,13 @@ class CommDebug(DebugCallback):
     | ``comm_summary`` (info) | mean comm share and bytes per step per collective over the run |
     | ``ddp_hook_unavailable`` (info) | DDP comm time not measured: another comm hook is registered |
     | ``hang`` (error) | no progress for ``hang_timeout_s``: names the rank(s) behind and where they are; stacks in ``hang_rank<r>.txt``, collectives in ``flight_recorder/rank_<r>`` (``torchfrtrace``); exit 124 |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): comm shares and byte counters are this
+    process's, the watchdog and its tracker live with the process group.
     """
 
     name = "comm_debug"
+    state_attrs = ()  # per-process: comm timing, byte counters, the watchdog thread and the live process group
     _fits = 0
 
     def __init__(self, run_dir: str | None = None, nccl_debug: str | None = "INFO", nccl_debug_subsys: str | None = None,
@@ -83,22 +83,15 @@ class CommDebug(DebugCallback):
                  measure_comm: bool = True, hang_timeout_s: float | None = 300, hang_poll_s: float = 2.0,
                  on_error: str = "warn") -> None:
         super().__init__(on_error)
-        seconds = "null or seconds >= 0 (0 = off)"
-        for key, value, ok, valid in (
-            ("nccl_debug", nccl_debug, nccl_debug is None or str(nccl_debug).upper() in NCCL_DEBUG_LEVELS,
-             f"null, {', '.join(NCCL_DEBUG_LEVELS)}"),
-            ("distributed_debug", distributed_debug,
-             distributed_debug is None or str(distributed_debug).upper() in DISTRIBUTED_DEBUG_LEVELS,
-             f"null, {', '.join(DISTRIBUTED_DEBUG_LEVELS)}"),
-            ("async_error_handling", async_error_handling, async_error_handling in (None, 0, 1, 2, 3), "null, 0, 1, 2, 3"),
-            ("trace_buffer_size", trace_buffer_size, isinstance(trace_buffer_size, int) and trace_buffer_size >= 0,
-             "an integer >= 0"),
-            ("collective_timeout_s", collective_timeout_s, _seconds_or_none(collective_timeout_s), seconds),
-            ("hang_timeout_s", hang_timeout_s, _seconds_or_none(hang_timeout_s), seconds),
-            ("hang_poll_s", hang_poll_s, isinstance(hang_poll_s, (int, float)) and hang_poll_s > 0, "seconds > 0"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            nccl_debug=(nccl_debug, one_of(None, *NCCL_DEBUG_LEVELS, any_case=True)),
+            distributed_debug=(distributed_debug, one_of(None, *DISTRIBUTED_DEBUG_LEVELS, any_case=True)),
+            async_error_handling=(async_error_handling, one_of(None, 0, 1, 2, 3)),
+            trace_buffer_size=(trace_buffer_size, integer(0)),
+            collective_timeout_s=(collective_timeout_s, seconds()),
+            hang_timeout_s=(hang_timeout_s, seconds()),
+            hang_poll_s=(hang_poll_s, number(0, open_low=True, note="seconds", finite=False)),
+        )
         self.run_dir = Path(run_dir) if run_dir else Path.cwd()
         self.collective_timeout_s = collective_timeout_s or None
         self.measure_comm = bool(measure_comm)
@@ -253,7 +246,8 @@ class CommDebug(DebugCallback):
     # ---- watchdog thread, on the rank that claimed the hang flag -----------------------
     def _report_hang(self, trainer: Any, analysis: dict, beats: dict[int, dict]) -> None:
         from dsdebug.distributed.flight_recorder import DIR
-        from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE, describe_hang
+        from dsdebug.distributed.hang_analysis import describe_hang
+        from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE
 
         culprits, steps = analysis["culprits"], {b.get("step") for b in beats.values()}
         self.report(

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import optional, strings
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
+from dsdebug.config.fingerprint import config_facts, config_hash
 from dsdebug.findings.ranks import name_ranks
-from dsdebug.findings.secrets import REDACTED, SECRET_KEY, redact
+from dsdebug.findings.secrets import REDACTED, SECRET_KEY
 
-__all__ = ["ConsistencyCheck", "rank_facts", "compare_facts", "config_hash"]
+__all__ = ["ConsistencyCheck", "rank_facts", "compare_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -83,40 +84,6 @@ def env_facts(environ: dict[str, str], patterns: list[str] | tuple[str, ...] = E
     match = lambda name, pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
     return {f"env.{k}": _secret(k, v) for k, v in sorted(environ.items())
             if match(k, patterns) and not match(k, PER_RANK_ENV)}
-
-
-def config_facts(cfg: Any) -> dict[str, Any]:
-    """The resolved config, flat, without ``paths``/``seed``; path values relative to ``paths.*``."""
-    from omegaconf import OmegaConf
-
-    try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - an interpolation that only resolves under Hydra
-        resolved = OmegaConf.to_container(cfg, resolve=False)
-    paths = {k: str(v) for k, v in (resolved.pop("paths", None) or {}).items() if isinstance(v, str) and v}
-    resolved.pop("seed", None)
-    resolved.pop("hydra", None)
-    flat = _flatten(redact(resolved))
-    for key, value in flat.items():
-        if isinstance(value, str):
-            for name, path in sorted(paths.items(), key=lambda kv: -len(kv[1])):
-                value = value.replace(path, f"<paths.{name}>")
-            flat[key] = value
-    return flat
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: json.dumps(node, sort_keys=True, default=str) if isinstance(node, list) else node}
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    """Short sha256 of a flat config (``config_facts``): equal on every rank that composed the same run."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def rank_facts(cfg: Any = None, device: torch.device | None = None, environ: dict[str, str] | None = None,
@@ -239,16 +206,16 @@ class ConsistencyCheck(DebugCallback):
     | ``seed_mismatch`` | warning | the seed differs |
     | ``env_mismatch`` | warning | an environment variable differs (or is set on some ranks only) |
 
-    It logs no metrics.
+    It logs no metrics. Resume: nothing is carried over (``state_attrs`` is empty): the resumed
+    processes compare themselves again.
     """
     name = "consistency"
+    state_attrs = ()  # facts of the processes that run now: compared again after a resume
 
     def __init__(self, env: list[str] | None = None, ignore: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(on_error="warn")
-        for key, value in (("env", env), ("ignore", ignore)):
-            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
-                raise ConfigError(f"callbacks.consistency.{key}={value!r} is invalid; valid: a list of name patterns "
-                                  "such as [NCCL_*, OMP_NUM_THREADS]")
+        self.check_args(env=(env, optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]"))),
+                        ignore=(ignore, optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]"))))
         self.env_patterns = tuple(env) if env is not None else ENV_PATTERNS
         self.ignore = tuple(ignore or ())
         self.run_config: Any = None

@@ -44,8 +44,11 @@ class DeepSpeedWallClock(DebugCallback):
     Example (no ``callbacks.*`` entry: a DeepSpeed JSON with ``"wall_clock_breakdown": true`` adds it)::
 
         python train.py strategy=deepspeed_json strategy.config=tests/ds_configs/wall_clock_breakdown.json
+
+    Resume: nothing is carried over (``state_attrs`` is empty): the timings are rank 0's, of this process.
     """
     name = "ds_wall_clock"
+    state_attrs = ()  # rank 0's timers of this process
 
     def __init__(self) -> None:
         super().__init__(on_error="warn")

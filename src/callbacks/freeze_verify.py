@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 import torch
 
+from dsdebug.config.args import integer
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import display_name, grad_source
+from dsdebug.callbacks.grad_access import display_name, grad_source
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 
@@ -78,18 +79,19 @@ class FreezeVerify(DebugCallback):
     | ``not_updated`` | error | non-zero gradients, lr > 0, yet unchanged (skipped steps, update below precision) |
     | ``frozen_param_changed`` | error | frozen by the config, yet changed (tied weights, optimizer built before freezing) |
     | ``freeze_verified`` | info | all trainable parameters changed and all frozen ones did not |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): the evidence comes from this fit's hooks
+    and fingerprints, so a resumed fit verifies its own first ``check_after_steps`` steps.
     """
     name = "freeze_verify"
+    policies = ("warn", "stop")
+    policy_note = "skip: the check runs after the updates"
+    state_attrs = ()  # evidence of this fit's hooks and fingerprints (per process)
 
     def __init__(self, train_only: Any = (), freeze: Any = (), check_after_steps: int = 3, max_names: int = 10,
                  on_error: str = "warn") -> None:
-        if on_error == "skip":
-            raise ConfigError(f"callbacks.{self.name}.on_error='skip' is invalid (the check runs after the "
-                              "updates); valid: warn, stop")
         super().__init__(on_error=on_error)
-        for key, value in (("check_after_steps", check_after_steps), ("max_names", max_names)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: an int >= 1")
+        self.check_args(check_after_steps=(check_after_steps, integer(1)), max_names=(max_names, integer(1)))
         self.train_only, self.freeze = self._patterns("train_only", train_only), self._patterns("freeze", freeze)
         self.check_after_steps, self.max_names = check_after_steps, max_names
         self._handles: list[Any] = []

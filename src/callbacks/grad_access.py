@@ -5,7 +5,6 @@ the accumulation boundary. Re-exported from grad_monitor, where they used to liv
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -55,10 +54,6 @@ def local_grad(p: torch.Tensor, source: str) -> torch.Tensor | None:
 
 def local_param(p: torch.Tensor) -> torch.Tensor:
     return p.ds_tensor if hasattr(p, "ds_tensor") else p.data  # ZeRO-3: this rank's partition
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _at_accumulation_boundary(trainer: Any) -> bool:

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
-# shared with the other gradient checks; re-exported: they and the tests import them from here
-from dsdebug.callbacks.grad_access import (  # noqa: F401
-    _at_accumulation_boundary, _num, display_name, grad_source, layer_of, local_grad, local_param)
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
+                                            local_param)
 
-__all__ = ["GradMonitor", "display_name", "layer_of", "grad_source", "local_grad", "local_param"]
+__all__ = ["GradMonitor"]
 
 log = logging.getLogger(__name__)
 
@@ -62,31 +61,30 @@ class GradMonitor(DebugCallback):
     | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
     | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
     | ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
+
+    Resume (``state_attrs``, from all-reduced norms, alike on every rank): the EMA mean/variance of the
+    global norm, the healthy steps seen (warm-up), the layers already reported vanished, the finding
+    counts and the summary's steps checked and largest norm.
     """
     name = "grad_monitor"
+    state_attrs = ("_ema_mean", "_ema_var", "_healthy_seen", "_vanished", "_counts", "_checked", "_largest")
 
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,
                  spike_min_ratio: float = 3.0, ema_beta: float = 0.95, warmup_steps: int = 50,
                  vanish_threshold: float = 1.0e-8, histogram_every_n_steps: int = 100,
                  log_param_norms: bool = False, max_findings_per_code: int = 5, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        for key, value, ok, valid in (
-            ("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and every_n_steps >= 0,
-             "an int >= 0 (0 = no metrics)"),
-            ("max_norm", max_norm, _num(max_norm) and max_norm > 0, "a number > 0"),
-            ("spike_factor", spike_factor, _num(spike_factor) and spike_factor > 0, "a number > 0"),
-            ("spike_min_ratio", spike_min_ratio, _num(spike_min_ratio) and spike_min_ratio >= 1, "a number >= 1"),
-            ("ema_beta", ema_beta, _num(ema_beta) and 0 < ema_beta < 1, "a number in (0, 1)"),
-            ("warmup_steps", warmup_steps, isinstance(warmup_steps, int) and warmup_steps >= 1, "an int >= 1"),
-            ("vanish_threshold", vanish_threshold, _num(vanish_threshold) and vanish_threshold >= 0,
-             "a number >= 0 (0 = off)"),
-            ("histogram_every_n_steps", histogram_every_n_steps,
-             isinstance(histogram_every_n_steps, int) and histogram_every_n_steps >= 0, "an int >= 0 (0 = off)"),
-            ("max_findings_per_code", max_findings_per_code,
-             isinstance(max_findings_per_code, int) and max_findings_per_code >= 1, "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(0, note="0 = no metrics")),
+            max_norm=(max_norm, number(0, open_low=True)),
+            spike_factor=(spike_factor, number(0, open_low=True)),
+            spike_min_ratio=(spike_min_ratio, number(1)),
+            ema_beta=(ema_beta, number(0, 1, open_low=True, open_high=True)),
+            warmup_steps=(warmup_steps, integer(1)),
+            vanish_threshold=(vanish_threshold, number(0, note="0 = off")),
+            histogram_every_n_steps=(histogram_every_n_steps, integer(0, note="0 = off")),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
         self.every_n_steps, self.max_norm = every_n_steps, float(max_norm)
         self.spike_factor, self.spike_min_ratio = float(spike_factor), float(spike_min_ratio)
         self.ema_beta = float(ema_beta)
@@ -159,9 +157,9 @@ class GradMonitor(DebugCallback):
                                f"is a spike: EMA {self._ema_mean:.3g} +- {math.sqrt(self._ema_var):.3g}")
         else:
             self._update_ema(norm)
-        if self.every_n_steps and step % self.every_n_steps == 0:
+        if self.due(step):
             self._cadence(trainer, pl_module, grads, norm, sq, layer_sq)
-        if self.histogram_every_n_steps and self._tensorboard and step % self.histogram_every_n_steps == 0:
+        if self._tensorboard and self.due(step, self.histogram_every_n_steps):
             self._histograms(trainer, grads)
 
     def _sumsq(self, grads: list[torch.Tensor | None]) -> torch.Tensor:

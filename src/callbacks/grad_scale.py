@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
 
 __all__ = ["GradScaleCheck"]
 
@@ -57,17 +57,17 @@ class GradScaleCheck(DebugCallback):
     | ``grad_scale_wrong`` | error | the backward path scales the loss by a factor other than the loss scale |
     | ``accumulation_mismatch`` | error | DeepSpeed's gradient_accumulation_steps != trainer.accumulate_grad_batches |
 
-    It logs no metrics.
+    It logs no metrics. Resume: nothing is carried over (``state_attrs`` is empty): a resumed process
+    builds a new engine, so its backward path is verified again.
     """
     name = "grad_scale"
+    policies = ("warn", "stop")
+    policy_note = "skip: a wrong scale is wrong at every step"
+    state_attrs = ()  # the verdict is about this process's engine and backward path
 
     def __init__(self, rtol: float = 1e-3, on_error: str = "warn") -> None:
-        if on_error == "skip":
-            raise ConfigError("callbacks.grad_scale.on_error=skip is invalid (a wrong scale is wrong at every "
-                              "step); valid: warn, stop")
         super().__init__(on_error=on_error)
-        if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not 0 < rtol < 1:
-            raise ConfigError(f"callbacks.grad_scale.rtol must be a number in (0, 1), got {rtol!r}")
+        self.check_args(rtol=(rtol, number(0, 1, open_low=True, open_high=True)))
         self.rtol = float(rtol)
         self.done = False
         self.factor: float | None = None  # measured: 1.0 = as configured

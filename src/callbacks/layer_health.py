@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                         local_param)
-from dsdebug.errors import ConfigError
 
 __all__ = ["LayerHealth"]
 
@@ -62,28 +62,30 @@ class LayerHealth(DebugCallback):
     | ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
     | ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
     | ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
+
+    Resume (``state_attrs``, from all-reduced sums, alike on every rank): per layer the low-gradient and
+    low-update streaks, the checks seen (warm-up) and the log-norm EMA, the layers flagged as exploding,
+    the closest calls and the finding counts. The summary's ratio history is not kept.
     """
     name = "layer_health"
+    state_attrs = ("_low_grad", "_low_update", "_seen", "_log_ema", "_exploding", "_closest", "_counts")
 
     def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,
                  ratio_floor: float = 1.0e-3, patience: int = 3, explode_factor: float = 10.0,
                  ema_beta: float = 0.9, warmup_steps: int = 50, max_findings_per_code: int = 5) -> None:
         super().__init__()
-        for key, value, ok, valid in (
-            ("every_n_steps", every_n_steps, _int(every_n_steps, 0), "an int >= 0 (0 = no update ratios/metrics)"),
-            ("grad_every_n_steps", grad_every_n_steps, _int(grad_every_n_steps, 1), "an int >= 1"),
-            ("vanish_ratio", vanish_ratio, _num(vanish_ratio) and 0 <= vanish_ratio < 1,
-             "a number in [0, 1) (0 = off)"),
-            ("ratio_floor", ratio_floor, _num(ratio_floor) and 0 <= ratio_floor < 1, "a number in [0, 1) (0 = off)"),
-            ("patience", patience, _int(patience, 1), "an int >= 1"),
-            ("explode_factor", explode_factor, _num(explode_factor) and (explode_factor == 0 or explode_factor > 1),
-             "a number > 1 (0 = off)"),
-            ("ema_beta", ema_beta, _num(ema_beta) and 0 < ema_beta < 1, "a number in (0, 1)"),
-            ("warmup_steps", warmup_steps, _int(warmup_steps, 1), "an int >= 1"),
-            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code, 1), "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(0, note="0 = no update ratios/metrics")),
+            grad_every_n_steps=(grad_every_n_steps, integer(1)),
+            vanish_ratio=(vanish_ratio, number(0, 1, open_high=True, note="0 = off")),
+            ratio_floor=(ratio_floor, number(0, 1, open_high=True, note="0 = off")),
+            patience=(patience, integer(1)),
+            explode_factor=(explode_factor, either(number(1, open_low=True), number(0, 0),
+                                                   valid="a number > 1 (0 = off)")),
+            ema_beta=(ema_beta, number(0, 1, open_low=True, open_high=True)),
+            warmup_steps=(warmup_steps, integer(1)),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
         self.every_n_steps, self.grad_every_n_steps = every_n_steps, grad_every_n_steps
         self.vanish_ratio, self.ratio_floor, self.patience = float(vanish_ratio), float(ratio_floor), patience
         self.explode_factor, self.ema_beta, self.warmup_steps = float(explode_factor), float(ema_beta), warmup_steps
@@ -91,6 +93,8 @@ class LayerHealth(DebugCallback):
         self._params: list[torch.Tensor] = []
         self._pending: tuple | None = None
         self._counts: dict[str, int] = {}
+        self._restored: dict[str, Any] | None = None  # a resume's state, until the layer table exists
+        self.set_layers([], [])
 
     # ---- setup: every rank --------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -99,7 +103,25 @@ class LayerHealth(DebugCallback):
         self._source = grad_source(trainer.strategy)
         numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
         self.set_layers([layer_of(n) for n, _ in named], numel)
+        if self._restored is not None:  # DDP: Lightning restored it before this hook rebuilt the per-layer state
+            self._apply_restored()
         log.info("layer_health: %d layers, gradients from %s", len(self._layers), self._source)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._restored = None  # applied: Lightning restores before on_fit_start (DDP) or after it (DeepSpeed)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
+        self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        saved = len(self._restored.get("_seen", ()))
+        if self._layers and saved != len(self._layers):
+            log.warning("layer_health: the checkpoint's state is for %d layers, this net has %d: starting afresh",
+                        saved, len(self._layers))
+            self._counts = {}  # set_layers reset the rest
+            return
+        super().load_state_dict(self._restored)
 
     def set_layers(self, param_layers: list[str], param_numel: list[float]) -> None:
         """Per-parameter layer names and sizes -> the layer table and fresh detection state."""
@@ -123,8 +145,8 @@ class LayerHealth(DebugCallback):
         if not self._params or not _at_accumulation_boundary(trainer):
             return
         step = trainer.global_step
-        update = self.every_n_steps > 0 and step % self.every_n_steps == 0
-        if not update and step % self.grad_every_n_steps:
+        update = self.due(step)
+        if not update and not self.due(step, self.grad_every_n_steps):
             return
         grads = [_valid(local_grad(p, self._source), p) for p in self._params]
         snapshot = w_sq = None
@@ -290,11 +312,3 @@ def _sumsq(tensors: list[torch.Tensor | None]) -> torch.Tensor:
         norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
         out[present] = torch.stack(norms).double().cpu() ** 2
     return out
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
 from dsdebug.models.moe_aux import normalised_probs
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
@@ -59,41 +59,46 @@ class MoERouter(DebugCallback):
     | ``load_imbalance`` | warning | max/mean load > ``imbalance_max`` for ``imbalance_windows`` windows in a row |
     | ``aux_loss_rising`` | warning | window aux loss rose ``aux_windows`` times in a row, to > (1+``aux_rise``) x its minimum |
     | ``router_summary`` | info | at the end: per-layer entropy, load entropy, max share, dead experts, token share matrix |
+
+    Resume (``state_attrs``, from all-reduced windows, alike on every rank): per layer the imbalanced
+    windows in a row, the dead experts already named, the judged windows' aux/CE means and the
+    rising-aux flag, the finding counts. A window open at the checkpoint starts afresh (its counts are
+    each rank's own), and the summary's token shares cover the steps since the (re)start.
     """
     name = "moe_router"
+    policies = ("warn", "stop")
+    policy_note = "skip: a window is judged after its steps were applied"
+    state_attrs = ("_imbalanced", "_dead_seen", "_aux", "_aux_reported", "_counts")
 
     def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,
                  collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 3.5,
                  imbalance_windows: int = 2, aux_rise: float = 0.5, aux_windows: int = 3,
                  max_findings_per_code: int = 5, on_error: str = "warn") -> None:
-        if on_error == "skip":
-            raise ConfigError(f"callbacks.{self.name}.on_error='skip' is invalid; valid: warn, stop "
-                              "(a window is judged after its steps were applied)")
         super().__init__(on_error=on_error)
-        for key, value, ok, valid in (
-            ("window_steps", window_steps, _int(window_steps) and window_steps >= 1, "an int >= 1"),
-            ("warmup_steps", warmup_steps, _int(warmup_steps) and warmup_steps >= 0, "an int >= 0"),
-            ("collapse_tokens", collapse_tokens, _num(collapse_tokens) and 0 < collapse_tokens <= 1,
-             "a number in (0, 1]"),
-            ("collapse_entropy", collapse_entropy, _num(collapse_entropy) and 0 <= collapse_entropy < 1,
-             "a number in [0, 1) (0 = off)"),
-            ("dead_below", dead_below, _num(dead_below) and 0 <= dead_below < 1, "a number in [0, 1)"),
-            ("imbalance_max", imbalance_max, _num(imbalance_max) and imbalance_max > 1, "a number > 1"),
-            ("imbalance_windows", imbalance_windows, _int(imbalance_windows) and imbalance_windows >= 1,
-             "an int >= 1"),
-            ("aux_rise", aux_rise, _num(aux_rise) and aux_rise >= 0, "a number >= 0"),
-            ("aux_windows", aux_windows, _int(aux_windows) and aux_windows >= 0, "an int >= 0 (0 = off)"),
-            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code) and max_findings_per_code >= 1,
-             "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            window_steps=(window_steps, integer(1)),
+            warmup_steps=(warmup_steps, integer(0)),
+            collapse_tokens=(collapse_tokens, number(0, 1, open_low=True)),
+            collapse_entropy=(collapse_entropy, number(0, 1, open_high=True, note="0 = off")),
+            dead_below=(dead_below, number(0, 1, open_high=True)),
+            imbalance_max=(imbalance_max, number(1, open_low=True)),
+            imbalance_windows=(imbalance_windows, integer(1)),
+            aux_rise=(aux_rise, number(0)),
+            aux_windows=(aux_windows, integer(0, note="0 = off")),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
         self.window_steps, self.warmup_steps = window_steps, warmup_steps
         self.collapse_tokens, self.collapse_entropy = float(collapse_tokens), float(collapse_entropy)
         self.dead_below, self.imbalance_max = float(dead_below), float(imbalance_max)
         self.imbalance_windows, self.aux_rise, self.aux_windows = imbalance_windows, float(aux_rise), aux_windows
         self.max_findings_per_code = max_findings_per_code
         self._moe = None
+        self._counts: dict[str, int] = {}
+        self._imbalanced: list[int] = []
+        self._dead_seen: set[tuple[int, int]] = set()  # (layer, expert) already named
+        self._aux: list[tuple[float, float]] = []
+        self._aux_reported = False
+        self._restored: dict[str, Any] | None = None  # a resume's state, until on_fit_start knows the layers
 
     # ---- setup: every rank ----------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -110,18 +115,33 @@ class MoERouter(DebugCallback):
         self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64)
         self._total = torch.zeros(n, self.experts, dtype=torch.float64)
         self._start = self._first = trainer.global_step  # again in on_train_start (after a resume)
-        self._counts: dict[str, int] = {}
+        self._counts = {}
         self._imbalanced = [0] * n
-        self._dead_seen: set[tuple[int, int]] = set()
-        self._aux: list[tuple[float, float]] = []  # (aux, ce) window means, judged windows
+        self._dead_seen = set()
+        self._aux = []  # (aux, ce) window means, judged windows
         self._aux_reported = False
         self._last: dict | None = None
+        if self._restored is not None:  # DDP: Lightning restored it before this hook reset the state
+            self._apply_restored()
         log.info("moe_router: %d MoE layer(s) x %d experts, top-%d; window %d steps, judged from step %d",
                  n, self.experts, self.top_k, self.window_steps, self.warmup_steps)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._restored = None  # applied: Lightning restores before on_fit_start (DDP) or after it (DeepSpeed)
         if self._moe is not None:  # the loop state is restored now: windows count from the resumed step
             self._start = self._first = trainer.global_step
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
+        self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        saved, layers = len(self._restored.get("_imbalanced", ())), getattr(self, "layers", None)
+        if layers is not None and saved != len(layers):
+            log.warning("moe_router: the checkpoint's state is for %d MoE layers, this net has %d: starting afresh",
+                        saved, len(layers))
+            return
+        super().load_state_dict(self._restored)
 
     def _on_forward(self, records: list, aux: torch.Tensor | None) -> None:
         """Inside every training forward, every rank: local counts only (no collective)."""
@@ -270,14 +290,6 @@ class MoERouter(DebugCallback):
                              "share": {f"L{layer}": share[i].tolist() for i, layer in enumerate(self.layers)},
                              "last_window": self._last,
                              "counts": dict(self._counts)}, rank=None)
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # -- statistics, pure tensor math: per-expert token counts and router entropy of the recorded

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
-from dsdebug.errors import ConfigError
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.findings import Finding
 
 __all__ = ["NaNTriage"]
@@ -79,23 +79,17 @@ class NaNTriage(DebugCallback):
     | ``nan_step`` | error | a non-finite step not rerun (``rerun: false``, ``max_reruns`` used up, or ZeRO-3 gradient-only) |
     | ``nan_summary`` | info | at the end: non-finite steps and their labels |
 
-    It logs no metrics.
+    It logs no metrics. Resume (``state_attrs``, decided from all-reduced flags, alike on every rank):
+    the reruns done (``max_reruns`` counts over the whole run) and the labels of the non-finite steps.
     """
     name = "nan_triage"
+    state_attrs = ("reruns", "labels")
 
     def __init__(self, rerun: bool = True, max_reruns: int = 3, check_grads: bool = True,
                  max_findings: int = 5, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        for key, v, ok, valid in (
-            ("rerun", rerun, isinstance(rerun, bool), "true, false"),
-            ("max_reruns", max_reruns, isinstance(max_reruns, int) and not isinstance(max_reruns, bool)
-             and max_reruns >= 1, "an int >= 1"),
-            ("check_grads", check_grads, isinstance(check_grads, bool), "true, false"),
-            ("max_findings", max_findings, isinstance(max_findings, int) and not isinstance(max_findings, bool)
-             and max_findings >= 1, "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={v!r} is invalid; valid: {valid}")
+        self.check_args(rerun=(rerun, boolean()), max_reruns=(max_reruns, integer(1)),
+                        check_grads=(check_grads, boolean()), max_findings=(max_findings, integer(1)))
         self.rerun, self.max_reruns, self.check_grads = rerun, max_reruns, check_grads
         self.max_findings = max_findings
         self.reruns = 0

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
+from dsdebug.config.args import boolean, integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
+from dsdebug.data.loader_facts import describe_train_loader
 
 __all__ = ["Profiler"]
 
@@ -78,24 +79,24 @@ class Profiler(DebugCallback):
     |---|---|---|
     | ``step_breakdown`` | info | where the time goes, top op, trace path |
     | ``data_bound`` | warning | data wait > ``data_warn_fraction`` of the step: names the DataLoader |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): a resumed process profiles its own
+    window (``wait`` steps after its start).
     """
     name = "profiler"
+    state_attrs = ()  # the profiler and its window belong to this process (every rank profiles itself)
 
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 3, repeat: int = 1, top_n: int = 15,
                  profile_memory: bool = True, record_shapes: bool = True, with_stack: bool = False,
                  data_warn_fraction: float = 0.3, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
-                                ("repeat", repeat, 1), ("top_n", top_n, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"callbacks.profiler.{key}={value!r} is invalid; valid: an int >= {low}")
-        for key, value in (("profile_memory", profile_memory), ("record_shapes", record_shapes),
-                           ("with_stack", with_stack)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"callbacks.profiler.{key}={value!r} is invalid; valid: true, false")
-        if not isinstance(data_warn_fraction, (int, float)) or not 0 < data_warn_fraction <= 1:
-            raise ConfigError(f"callbacks.profiler.data_warn_fraction={data_warn_fraction!r} is invalid; "
-                              "valid: a number in (0, 1]")
+        self.check_args(
+            wait=(wait, integer(0)), warmup=(warmup, integer(0)), active=(active, integer(1)),
+            repeat=(repeat, integer(1)), top_n=(top_n, integer(1)),
+            profile_memory=(profile_memory, boolean()), record_shapes=(record_shapes, boolean()),
+            with_stack=(with_stack, boolean()),
+            data_warn_fraction=(data_warn_fraction, number(0, 1, open_low=True)),
+        )
         self.wait, self.warmup, self.active, self.repeat, self.top_n = wait, warmup, active, repeat, top_n
         self.profile_memory, self.record_shapes, self.with_stack = profile_memory, record_shapes, with_stack
         self.data_warn_fraction = float(data_warn_fraction)
@@ -228,11 +229,11 @@ class Profiler(DebugCallback):
                         details={"metrics": metrics, "top_ops": rows[:5], "trace": str(trace)}, rank=None)
         if frac > self.data_warn_fraction:
             self.report(trainer, "warning", "data_bound",
-                        f"rank {rank} waits for the {self._describe_loader(trainer)} {frac:.0%} of each step "
+                        f"rank {rank} waits for the {describe_train_loader(trainer)} {frac:.0%} of each step "
                         f"({ms['data']:.1f} of {ms['step']:.1f} ms, over {n} steps): the input pipeline is the "
                         "bottleneck", advice="raise data.num_workers (with persistent workers), pin_memory=true on "
                         "GPU, and move tokenisation/augmentation out of __getitem__/collate (pre-tokenise)",
-                        details={"metrics": metrics, "loader": self._describe_loader(trainer)})
+                        details={"metrics": metrics, "loader": describe_train_loader(trainer)})
 
     @staticmethod
     def _event_times(prof: profile) -> tuple[float, float]:
@@ -256,13 +257,3 @@ class Profiler(DebugCallback):
                 end = b
         return data, busy
 
-    @staticmethod
-    def _describe_loader(trainer: Any) -> str:
-        loader = trainer.train_dataloader
-        while isinstance(loader, (list, tuple, dict)) and loader:
-            loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
-        collate = getattr(loader, "collate_fn", None)
-        return (f"train dataloader ({type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}, "
-                f"num_workers={getattr(loader, 'num_workers', '?')}, pin_memory={getattr(loader, 'pin_memory', '?')}, "
-                f"batch_size={getattr(loader, 'batch_size', '?')}, "
-                f"collate_fn={getattr(collate, '__name__', type(collate).__name__)})")

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import integer, number, optional
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
+from dsdebug.data.loader_facts import describe_train_loader
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
-from dsdebug.callbacks.grad_access import _num
 
 __all__ = ["Throughput"]
 
@@ -77,33 +77,31 @@ class Throughput(DebugCallback):
     | ``low_gpu_util`` | warning | mean GPU utilisation over ``window`` samples < ``gpu_util_threshold`` (GPU only) |
     | ``throughput_drop`` | warning | ``drop_patience`` steps in a row slower than ``drop_factor`` x the median step |
     | ``throughput_summary`` | info | at the end: median tokens/s, step ms, MFU, data-wait share, peak used |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): every window and the reference step
+    time are this rank's own clock, and a resumed run may sit on other nodes.
     """
     name = "throughput"
+    state_attrs = ()  # per-rank clocks (step times, data waits, utilisation), judged and counted per rank
 
     def __init__(self, warmup_steps: int = 10, window: int = 20, data_wait_threshold: float = 0.3,
                  comm_forward_ratio: float | None = None, gpu_util_threshold: float = 0.85, util_every_n_steps: int = 10,
                  drop_factor: float = 2.0, drop_patience: int = 5, peak_tflops: float | None = None,
                  max_findings_per_code: int = 3, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, ok, valid in (
-            ("warmup_steps", warmup_steps, _int(warmup_steps, 0), "an int >= 0"),
-            ("window", window, _int(window, 3), "an int >= 3"),
-            ("data_wait_threshold", data_wait_threshold, _num(data_wait_threshold) and 0 < data_wait_threshold < 1,
-             "a number in (0, 1)"),
-            ("comm_forward_ratio", comm_forward_ratio,
-             comm_forward_ratio is None or (_num(comm_forward_ratio) and comm_forward_ratio > 0),
-             "a number > 0, or null (0.2 on CUDA, not judged on CPU)"),
-            ("gpu_util_threshold", gpu_util_threshold, _num(gpu_util_threshold) and 0 <= gpu_util_threshold <= 1,
-             "a number in [0, 1]"),
-            ("util_every_n_steps", util_every_n_steps, _int(util_every_n_steps, 0), "an int >= 0 (0 = off)"),
-            ("drop_factor", drop_factor, _num(drop_factor) and drop_factor > 1, "a number > 1"),
-            ("drop_patience", drop_patience, _int(drop_patience, 1), "an int >= 1"),
-            ("peak_tflops", peak_tflops, peak_tflops is None or (_num(peak_tflops) and peak_tflops > 0),
-             "null (table on GPU, measured on CPU) or a number > 0"),
-            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code, 1), "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            warmup_steps=(warmup_steps, integer(0)),
+            window=(window, integer(3)),
+            data_wait_threshold=(data_wait_threshold, number(0, 1, open_low=True, open_high=True)),
+            comm_forward_ratio=(comm_forward_ratio, optional(number(0, open_low=True),
+                                                             "0.2 on CUDA, not judged on CPU")),
+            gpu_util_threshold=(gpu_util_threshold, number(0, 1)),
+            util_every_n_steps=(util_every_n_steps, integer(0, note="0 = off")),
+            drop_factor=(drop_factor, number(1, open_low=True)),
+            drop_patience=(drop_patience, integer(1)),
+            peak_tflops=(peak_tflops, optional(number(0, open_low=True), "table on GPU, measured on CPU")),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
         self.warmup_steps, self.window = warmup_steps, window
         self.data_wait_threshold, self.comm_forward_ratio = float(data_wait_threshold), (
             None if comm_forward_ratio is None else float(comm_forward_ratio))
@@ -186,7 +184,7 @@ class Throughput(DebugCallback):
         util = self._gpu_util(step)
         if util is not None:
             metrics["throughput/gpu_util"] = util
-        if trainer.global_rank == 0 and step % max(trainer.log_every_n_steps, 1) == 0:
+        if trainer.global_rank == 0 and self.due(step, max(trainer.log_every_n_steps, 1)):
             for lg in trainer.loggers:
                 lg.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
         if step <= self.warmup_steps or interrupted:
@@ -201,7 +199,7 @@ class Throughput(DebugCallback):
         self._judge(trainer, step, step_s)
 
     def _comm_ratio(self, start: float, end: float) -> float | None:
-        from dsdebug.callbacks.comm_debug import CommTracker
+        from dsdebug.distributed.timing import CommTracker
 
         tracker = CommTracker._instance  # comm_debug's, when it measures; we never install it
         if tracker is None or self._fwd_end is None or self._fwd_end <= start:
@@ -209,7 +207,7 @@ class Throughput(DebugCallback):
         return tracker.busy_s(self._fwd_end, end) / (self._fwd_end - start)
 
     def _gpu_util(self, step: int) -> float | None:
-        if not self._cuda or not self.util_every_n_steps or step % self.util_every_n_steps:
+        if not self._cuda or not self.due(step, self.util_every_n_steps):
             return None
         try:
             return torch.cuda.utilization() / 100.0  # NVML query, no sync
@@ -225,7 +223,7 @@ class Throughput(DebugCallback):
             self._emit(trainer, "input_bound",
                        f"rank {rank} waits for its next batch {share:.0%} of each step (median over the last "
                        f"{self.window} steps, up to step {step}; threshold {self.data_wait_threshold:.0%}): the input "
-                       f"pipeline is the bottleneck ({_describe_loader(trainer)})",
+                       f"pipeline is the bottleneck: {describe_train_loader(trainer)}",
                        "raise data.num_workers (persistent workers), data.pin_memory=true on GPU, pre-tokenise "
                        "(no tokenisation/augmentation in __getitem__/collate); +callbacks=profiler shows the wait",
                        {"median_share": share, "window": list(self._shares)})
@@ -294,10 +292,6 @@ class Throughput(DebugCallback):
                              "flops_per_token": self._fpt, "counts": dict(self._counts)}, rank=None)
 
 
-def _int(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
 # -- batch and loader facts: tokens and samples of a batch, its sequence length, and a one-line
 # description of the train loader (for the data-wait finding)
 def _batch_size(batch: Any) -> tuple[int, int]:
@@ -309,12 +303,3 @@ def _seq_len(batch: Any) -> int:
     t = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
     return int(t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() else 0
 
-
-def _describe_loader(trainer: Any) -> str:
-    loader = trainer.train_dataloader
-    while isinstance(loader, (list, tuple, dict)) and loader:
-        loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
-    collate = getattr(loader, "collate_fn", None)
-    return (f"data.num_workers={getattr(loader, 'num_workers', '?')}, data.pin_memory="
-            f"{getattr(loader, 'pin_memory', '?')}, data.batch_size={getattr(loader, 'batch_size', '?')}, "
-            f"collate_fn={getattr(collate, '__name__', type(collate).__name__)}")

@@ -24,6 +24,7 @@ from dsdebug.config.ds_config import check_ds_json
 from dsdebug.config.global_batch import check_global_batch_size
 from dsdebug.distributed.launch_env import check_launcher_matches
 from dsdebug.config.targets import check_targets
+from dsdebug.config.callback_args import check_callback_args
 from dsdebug.config.tokenizer_check import check_tokenizer
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -96,6 +97,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
     check_targets(cfg)
+    check_callback_args(cfg)  # each check's own check_args rules, read from its source
     # Last, the checks that ask the machine or a library: torch for the GPU count and CPU fp16,
     # DeepSpeed's own schema for a ds_config.json's zero section. Every other value has been
     # checked by now without importing either (tests/config/test_validation_imports.py).

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 

@@ -31,9 +31,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
-from dsdebug.distributed.hang_analysis import analyze, describe_hang, where_is  # noqa: F401 (comm_debug, tests)
+from dsdebug.distributed.hang_analysis import analyze, where_is
 
-__all__ = ["HangWatchdog", "HANG_EXIT_CODE", "analyze", "describe_hang", "watchdog_store"]
+__all__ = ["HangWatchdog", "HANG_EXIT_CODE", "watchdog_store"]
 
 log = logging.getLogger(__name__)
 

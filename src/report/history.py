@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 # read_history lives in load.py so that reading a run (python -m dsdebug.report) never imports lightning/torch
-from dsdebug.report.load import HISTORY_FILE, read_history  # noqa: E402,F401  (public here too)
+from dsdebug.report.load import HISTORY_FILE  # noqa: E402
 
 
 class HistoryLogger(Logger):

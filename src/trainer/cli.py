@@ -6,11 +6,10 @@ Exit codes: see dsdebug.errors (0 ok, 1 crashed or a failed sweep job, 2 bad inp
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from dsdebug.errors import ConfigError, fail, is_out_of_memory
 from dsdebug.errors import is_rank_zero as _is_rank_zero

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, only_run_dir
+from tests.helpers.runs import REPO, only_run_dir
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import cpu_clock  # noqa: E402

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import harness  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import scaling  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 _spec = importlib.util.spec_from_file_location("zero_memory", REPO / "benchmarks" / "zero_memory.py")
 zm = importlib.util.module_from_spec(_spec)

@@ -1,5 +1,5 @@
 """comm_debug: debug env on every rank, comm share under DDP and ZeRO-3 (the shared healthy
-debug=full runs, tests/shared_runs.py), and a planted hang (rank 1 stuck in a sleep) that the
+debug=full runs, tests/helpers/shared_runs.py), and a planted hang (rank 1 stuck in a sleep) that the
 watchdog names, dumps and ends with exit 124."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE, analyze
-from dsdebug.callbacks.comm_debug import CommDebug, CommTracker
+from dsdebug.distributed.hang_analysis import analyze
+from dsdebug.distributed.hang_watchdog import HANG_EXIT_CODE
+from dsdebug.callbacks.comm_debug import CommDebug
+from dsdebug.distributed.timing import CommTracker
 from dsdebug.errors import ConfigError
-from tests.conftest import SMALL_DEEPSEEK, only_run_dir, run_train
-from tests.planted_comm import TWO_PROC, csv_column, read_findings
-from tests.shared_runs import healthy_run
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, only_run_dir, run_train
+from tests.helpers.findings import csv_column, read_findings
+from tests.helpers.shared_runs import healthy_run
 
 
 @pytest.fixture
@@ -93,7 +95,6 @@ def test_analysis_names_the_rank_behind():
     assert analyze(beats, 3, now, 6) == {"behind": [], "unresponsive": [2], "culprits": [2], "waiting": [0, 1]}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])
 def test_comm_share_is_logged_between_zero_and_one(kind, tmp_path_factory, shared_cache):
     run_dir, _ = healthy_run(kind, tmp_path_factory, shared_cache)
@@ -106,11 +107,12 @@ def test_comm_share_is_logged_between_zero_and_one(kind, tmp_path_factory, share
     assert not [f for f in read_findings(run_dir) if f["check"] == "comm_debug" and f["severity"] != "info"]
 
 
-@pytest.mark.slow
 def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_path, shared_cache):
-    args = TWO_PROC + SMALL_DEEPSEEK + [  # the hang does not depend on the model's size
+    args = SMOKE + SMALL_DEEPSEEK + [  # the hang does not depend on the model's size
+        "trainer=ddp_sim", "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+        "export.hf=false", "export.fp32=false",
         "strategy=ddp", "+callbacks=comm_debug", "callbacks.comm_debug.hang_timeout_s=8",
-        "callbacks.comm_debug.hang_poll_s=1", "+callbacks.plant._target_=tests.planted_comm.SleepOnRank",
+        "callbacks.comm_debug.hang_poll_s=1", "+callbacks.plant._target_=tests.planted.comm.SleepOnRank",
         "+callbacks.plant.rank=1", "+callbacks.plant.step=2", "+callbacks.plant.seconds=600"]
     proc = run_train(args, tmp_path, shared_cache, timeout=300)  # the sleep alone would take 600 s
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-4000:]
@@ -123,7 +125,7 @@ def test_hang_watchdog_names_the_stuck_rank_dumps_stacks_and_ends_the_job(tmp_pa
     assert not [f for f in read_findings(run_dir) if f["code"] == "rank_died"]  # exit 124 on purpose
     hang = hangs[0]
     assert hang["severity"] == "error" and hang["rank"] == 1 and hang["step"] == 2
-    assert "rank 1 is behind" in hang["message"] and "planted_comm.py" in hang["message"], hang["message"]
+    assert "rank 1 is behind" in hang["message"] and "planted/comm.py" in hang["message"], hang["message"]
     assert "rank 0 waits in" in hang["message"]
     for rank in (0, 1):
         dump = (run_dir / f"hang_rank{rank}.txt").read_text()

@@ -1,6 +1,6 @@
 """data_inspector: first batch saved and decoded, identical batches across ranks, train/val
 overlap, data order vs an earlier run with the same seed, label shift sanity. The 2-process
-cases read the shared planted and healthy DDP runs (tests/shared_runs.py)."""
+cases read the shared planted and healthy DDP runs (tests/helpers/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from dsdebug.callbacks.data_inspector import DataInspector
 from dsdebug.callbacks.data_inspector.fingerprint import find_overlap, label_pattern, window_hashes
 from dsdebug.errors import ConfigError
-from tests.planted_data import cli_run, of
-from tests.shared_runs import healthy_run, planted_ddp_run, read_findings
+from tests.helpers.findings import of, read_findings
+from tests.helpers.shared_runs import data_run, healthy_run, planted_ddp_run
 
 
 def test_first_batch_is_saved_with_decoded_text_and_healthy_run_is_silent(tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run("healthy", tmp_path_factory, shared_cache)
+    run_dir, findings = data_run("healthy", tmp_path_factory, shared_cache)
     assert of(findings, "data_inspector") == []
     first = json.loads((run_dir / "data_inspector" / "first_batch_rank0.json").read_text())
     assert first["tensors"]["input_ids"]["shape"] == [8, 128] and first["tensors"]["input_ids"]["dtype"] == "int64"
@@ -32,7 +32,7 @@ def test_first_batch_is_saved_with_decoded_text_and_healthy_run_is_silent(tmp_pa
 
 
 def test_same_seed_same_order_is_silent_and_workers_are_reported(tmp_path_factory, shared_cache):
-    _, findings = cli_run("healthy_again", tmp_path_factory, shared_cache)  # data.num_workers=1
+    _, findings = data_run("healthy_again", tmp_path_factory, shared_cache)  # data.num_workers=1
     assert of(findings, "data_inspector") == []
     match = [f for f in findings if f["code"] == "data_order_matches"]
     assert match and "batches 0..4" in match[0]["message"]
@@ -42,7 +42,7 @@ def test_same_seed_same_order_is_silent_and_workers_are_reported(tmp_path_factor
 
 
 def test_planted_data_bugs_are_found_and_named(tmp_path_factory, shared_cache):
-    _, findings = cli_run("planted", tmp_path_factory, shared_cache)
+    _, findings = data_run("planted", tmp_path_factory, shared_cache)
     bad = {f["code"]: f for f in of(findings, "data_inspector")}
     # a sampler that ignores the seed: same seed + data as the earlier run, different order
     changed = bad["data_order_changed"]
@@ -56,7 +56,6 @@ def test_planted_data_bugs_are_found_and_named(tmp_path_factory, shared_cache):
     assert set(bad) == {"data_order_changed", "train_val_overlap", "label_double_shift"}
 
 
-@pytest.mark.slow
 def test_disabled_distributed_sampler_gives_identical_batches_named(tmp_path_factory, shared_cache):
     run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)  # trainer.use_distributed_sampler=false
     bad = of(read_findings(run_dir), "data_inspector")
@@ -67,7 +66,6 @@ def test_disabled_distributed_sampler_gives_identical_batches_named(tmp_path_fac
     assert (run_dir / "data_inspector" / "data_order_rank1.json").is_file()
 
 
-@pytest.mark.slow
 def test_healthy_ddp_two_ranks_is_silent(tmp_path_factory, shared_cache):
     run_dir, _ = healthy_run("ddp", tmp_path_factory, shared_cache)
     assert of(read_findings(run_dir), "data_inspector") == []

@@ -1,7 +1,7 @@
 """freeze_verify: parameters that should learn but don't are named with the reason; train_only
 really freezes the rest (ZeRO-3, 2 processes); healthy runs only say info. The CLI runs are
-shared with test_cb_grad_monitor.py (tests/planted_grads.py); the healthy 2-process DDP run with
-other tests (tests/shared_runs.py)."""
+shared with test_cb_grad_monitor.py (tests/planted/grads.py); the healthy 2-process DDP run with
+other tests (tests/helpers/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from torch import nn
 from dsdebug.callbacks.freeze_verify import FreezeVerify
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
-from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, error_lines, run_train
-from tests.planted_grads import changed_params, one, read_findings, shared_run
-from tests.shared_runs import healthy_run
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, assert_ok, train_in_process
+from tests.helpers.findings import one, read_findings
+from tests.helpers.shared_runs import grad_run, healthy_run
+from tests.planted.grads import changed_params
 
 
 def test_bad_values_are_one_line_config_errors():
@@ -79,8 +80,7 @@ def test_tied_weights_match_by_either_name_and_conflicts_are_errors():
 
 
 def test_unused_detached_and_model_frozen_params_named(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("zero2_dead_net", tmp_path_factory, shared_cache)
-    assert_ok(proc)
+    _, run_dir = grad_run("zero2_dead_net", tmp_path_factory, shared_cache)  # in this process
     found = read_findings(run_dir, "freeze_verify")
     unused, detached = one(found, "unused_param"), one(found, "detached_param")
     frozen = one(found, "frozen_outside_config")
@@ -93,14 +93,14 @@ def test_unused_detached_and_model_frozen_params_named(tmp_path_factory, shared_
 
 
 def test_healthy_one_process_run_is_verified_and_silent(tmp_path_factory, shared_cache):
-    _, run_dir = shared_run("ddp_stop", tmp_path_factory, shared_cache)  # its planted bug is grad_monitor's
+    _, run_dir = grad_run("ddp_stop", tmp_path_factory, shared_cache)  # its planted bug is grad_monitor's
     found = read_findings(run_dir, "freeze_verify")
     assert [r["code"] for r in found] == ["freeze_verified"], found
 
 
 @pytest.mark.slow
 def test_train_only_freezes_the_rest_under_zero3_two_processes(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("zero3_2proc", tmp_path_factory, shared_cache)
+    proc, run_dir = grad_run("zero3_2proc", tmp_path_factory, shared_cache)
     assert_ok(proc)
     found = read_findings(run_dir, "freeze_verify")
     assert [r["code"] for r in found] == ["freeze_applied", "freeze_verified"], found
@@ -110,7 +110,6 @@ def test_train_only_freezes_the_rest_under_zero3_two_processes(tmp_path_factory,
     assert len(changed) == 12 and all(n.startswith("model.layers.0.") for n in changed), changed
 
 
-@pytest.mark.slow
 def test_healthy_ddp_two_processes_verified(tmp_path_factory, shared_cache):
     run_dir, _ = healthy_run("ddp", tmp_path_factory, shared_cache)  # debug=full
     found = read_findings(run_dir, "freeze_verify")
@@ -118,8 +117,13 @@ def test_healthy_ddp_two_processes_verified(tmp_path_factory, shared_cache):
 
 
 def test_pattern_matching_nothing_is_a_one_line_error(tmp_path, shared_cache):
-    proc = run_train(FAST + ["+callbacks=freeze_verify", "callbacks.freeze_verify.train_only=[model.layer.0.*]",
-                             "strategy=ddp", *SMALL_DEEPSEEK], tmp_path, shared_cache)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = error_lines(proc)
-    assert len(lines) == 1 and "callbacks.freeze_verify.train_only: pattern 'model.layer.0.*' matches no" in lines[0]
+    """Found when the model exists (setup, inside fit); the command line prints a ConfigError raised
+    there as one line, exit 2 (tests/config/test_bad_input.py, data_preparation)."""
+    from dsdebug.trainer.cli import find_config_error
+
+    with pytest.raises(Exception) as raised:
+        train_in_process(SMOKE + ["+callbacks=freeze_verify", "callbacks.freeze_verify.train_only=[model.layer.0.*]",
+                                  "strategy=ddp", *SMALL_DEEPSEEK], tmp_path / "run", shared_cache)
+    error = find_config_error(raised.value)
+    assert error is not None, raised.value
+    assert "callbacks.freeze_verify.train_only: pattern 'model.layer.0.*' matches no" in str(error)

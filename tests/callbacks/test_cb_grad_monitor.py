@@ -1,7 +1,7 @@
 """grad_monitor: planted NaN / exploding / spiking gradients are named before the update,
 skip and stop drop the bad update, healthy steps are silent -- 1 process (ZeRO-2, DDP) and
-2 processes (ZeRO-3, DDP). The runs are shared with test_cb_freeze_verify.py (tests/planted_grads.py)
-and, for 2-process DDP, with other callbacks' tests (tests/shared_runs.py)."""
+2 processes (ZeRO-3, DDP). The runs are shared with test_cb_freeze_verify.py (tests/planted/grads.py)
+and, for 2-process DDP, with other callbacks' tests (tests/helpers/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsdebug.callbacks.grad_monitor import GradMonitor, layer_of
+from dsdebug.callbacks.grad_access import layer_of
+from dsdebug.callbacks.grad_monitor import GradMonitor
 from dsdebug.errors import ConfigError
-from tests.conftest import assert_ok, metrics
-from tests.planted_grads import changed_params, one, read_findings, shared_run
-from tests.shared_runs import healthy_run, planted_ddp_run
+from tests.helpers.runs import assert_ok, metrics
+from tests.helpers.findings import one, read_findings
+from tests.helpers.shared_runs import grad_run, healthy_run, planted_ddp_run
+from tests.planted.grads import changed_params
 
 
 def loud(records: list[dict]) -> list[tuple]:
@@ -54,8 +56,7 @@ def test_plain_optimizer_skip_leaves_weights_and_adam_state_untouched():
 
 
 def test_zero2_nan_explosion_spike_vanishing_named_and_skipped(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("zero2_dead_net", tmp_path_factory, shared_cache)
-    assert_ok(proc)
+    _, run_dir = grad_run("zero2_dead_net", tmp_path_factory, shared_cache)  # in this process
     found = read_findings(run_dir, "grad_monitor")
     nan = one(found, "nonfinite_grad")  # planted: one NaN element in layers.0.weight's gradient at step 2
     assert nan["step"] == 2 and nan["severity"] == "error"
@@ -79,7 +80,7 @@ def test_zero2_nan_explosion_spike_vanishing_named_and_skipped(tmp_path_factory,
 
 
 def test_ddp_stop_saves_last_good_weights_and_exits_3(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("ddp_stop", tmp_path_factory, shared_cache)
+    proc, run_dir = grad_run("ddp_stop", tmp_path_factory, shared_cache)
     assert proc.returncode == 3, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stopped by grad_monitor/nonfinite_grad at step 3" in errors[0]
@@ -95,7 +96,7 @@ def test_ddp_stop_saves_last_good_weights_and_exits_3(tmp_path_factory, shared_c
 
 @pytest.mark.slow
 def test_zero3_two_processes_nan_and_explosion_named_skip_and_norms_exact(tmp_path_factory, shared_cache):
-    proc, run_dir = shared_run("zero3_2proc", tmp_path_factory, shared_cache)
+    proc, run_dir = grad_run("zero3_2proc", tmp_path_factory, shared_cache)
     assert_ok(proc)
     found = read_findings(run_dir, "grad_monitor")
     nan = one(found, "nonfinite_grad")  # planted on rank 1 only, before the reduce-scatter
@@ -114,7 +115,6 @@ def test_zero3_two_processes_nan_and_explosion_named_skip_and_norms_exact(tmp_pa
     assert z3 > 0 and math.isclose(z3, ddp, rel_tol=1e-5), (z3, ddp)
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_forward_nan_on_rank1_names_the_rank(tmp_path_factory, shared_cache):
     run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)
     found = read_findings(run_dir, "grad_monitor")

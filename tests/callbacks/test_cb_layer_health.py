@@ -2,7 +2,7 @@
 (a tiny per-group LR that AdamW's normalisation hides from gradient checks) and whose gradients
 explode against their own history are named -- detection logic in-process, planted bugs in a
 1-process ZeRO-2 run, and a 2-process ZeRO-3 run whose per-layer values are checked against
-full gradients and gathered weights (tests/planted_layers.py)."""
+full gradients and gathered weights (tests/planted/layers.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from dsdebug.callbacks.layer_health import LayerHealth
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
-from tests.conftest import FAST, assert_ok, only_run_dir, run_train, train_in_process
+from tests.helpers.runs import SMOKE, assert_ok, only_run_dir, run_train, train_in_process
 
 LAYERS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "lm_head"]
 NUMEL = [4096 * 32, 2000, 2000, 2000, 32, 4096 * 32]
@@ -130,13 +130,13 @@ def test_hooks_measure_update_ratio_around_the_step_and_free_the_snapshot():
 
 
 # ---- planted bugs in real runs ---------------------------------------------------------------
-PLANTED = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+PLANTED = SMOKE + [
     "trainer.max_steps=7", "trainer.val_check_interval=7", "export.hf=false", "export.fp32=false",
     "+callbacks=layer_health", "callbacks.layer_health.every_n_steps=1", "callbacks.layer_health.warmup_steps=3",
-    "model.net._target_=tests.planted_layers.BlockLM", "~model.net.hidden_size",
+    "model.net._target_=tests.planted.layers.BlockLM", "~model.net.hidden_size",
     "+model.net.scaled_block=1",  # (a) block 1's output x 1e-6
-    "+model.net.slow_block=2", "optim.optimizer._target_=tests.planted_layers.adamw_planted_lr",  # (b) lr 1e-9
-    "+callbacks.boom._target_=tests.planted_layers.ScaleBlockGrad", "+callbacks.boom.block=model.layers.3",
+    "+model.net.slow_block=2", "optim.optimizer._target_=tests.planted.layers.adamw_planted_lr",  # (b) lr 1e-9
+    "+callbacks.boom._target_=tests.planted.layers.ScaleBlockGrad", "+callbacks.boom.block=model.layers.3",
     "+callbacks.boom.from_step=4"]  # (c) block 3's gradient x 100 from step 4
 
 
@@ -168,13 +168,13 @@ def test_zero2_planted_vanishing_block_slow_lr_group_and_exploding_block_are_nam
 
 @pytest.mark.slow
 def test_zero3_two_processes_values_match_full_tensors_and_name_the_block(tmp_path, shared_cache):
-    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+    args = SMOKE + [
         "trainer=ddp_sim", "strategy=zero3", "trainer.max_steps=5", "trainer.val_check_interval=5",
         "trainer.limit_val_batches=1", "export.hf=false", "export.fp32=false",
         "+callbacks=layer_health", "callbacks.layer_health.every_n_steps=1",
         # hidden 33: odd-sized norms, so ZeRO-3 pads rank 1's partitions (the padding must not count)
-        "model.net._target_=tests.planted_layers.BlockLM", "model.net.hidden_size=33", "+model.net.scaled_block=1",
-        "+callbacks.witness._target_=tests.planted_layers.LayerWitness", "+callbacks.witness.steps=[0,3]"]
+        "model.net._target_=tests.planted.layers.BlockLM", "model.net.hidden_size=33", "+model.net.scaled_block=1",
+        "+callbacks.witness._target_=tests.planted.layers.LayerWitness", "+callbacks.witness.steps=[0,3]"]
     proc = run_train(args, tmp_path, shared_cache, timeout=600)
     assert_ok(proc)
     run_dir = only_run_dir(tmp_path)

@@ -1,7 +1,7 @@
 """log_sync: per-rank stats with rank names under DDP and ZeRO-3 and a merged timeline of both
 ranks (the shared healthy debug=full runs), a planted straggler (rank 1 sleeps 1 s every step,
 in the shared planted DDP run) named, and a crashed job whose W&B run is still finished as
-failed (offline). Shared runs: tests/shared_runs.py."""
+failed (offline). Shared runs: tests/helpers/shared_runs.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from dsdebug.callbacks.log_sync import LogSync
 from dsdebug.distributed.sweep import fill_wandb_sweep_identity, wandb_sweep_identity
 from dsdebug.errors import ConfigError
-from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
-from tests.planted_comm import csv_column, read_findings, wandb_records
-from tests.shared_runs import healthy_run, planted_ddp_run
+from tests.helpers.runs import SMOKE, TINY_NET, only_run_dir, run_train
+from tests.helpers.findings import csv_column, read_findings, wandb_records
+from tests.helpers.shared_runs import healthy_run, planted_ddp_run
 
 
 @pytest.mark.parametrize("key, value", [("every_n_steps", 0), ("straggler_factor", 1.0), ("log_level", "LOUD"),
@@ -42,7 +42,6 @@ def test_multirun_job_gets_wandb_group_and_name_from_the_sweep(tmp_path, monkeyp
     assert (cfg.logger.wandb.group, cfg.logger.wandb.name) == ("mine", "my-run")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])
 def test_per_rank_stats_with_rank_names_and_a_merged_timeline(kind, tmp_path_factory, shared_cache):
     run_dir, _ = healthy_run(kind, tmp_path_factory, shared_cache)
@@ -62,7 +61,6 @@ def test_per_rank_stats_with_rank_names_and_a_merged_timeline(kind, tmp_path_fac
     assert stamps == sorted(stamps), "merged log is in time order"
 
 
-@pytest.mark.slow
 def test_planted_straggler_is_named(tmp_path_factory, shared_cache):
     run_dir, _ = planted_ddp_run(tmp_path_factory, shared_cache)  # rank 1 sleeps 1 s every step
     stragglers = [f for f in read_findings(run_dir) if f["code"] == "straggler"]
@@ -76,7 +74,6 @@ def test_planted_straggler_is_named(tmp_path_factory, shared_cache):
     assert not others, others
 
 
-@pytest.mark.slow
 def test_healthy_zero3_run_is_silent(tmp_path_factory, shared_cache):
     run_dir, _ = healthy_run("zero3", tmp_path_factory, shared_cache)  # debug=full: every check on
     loud = [f for f in read_findings(run_dir) if f["severity"] != "info"]
@@ -85,10 +82,10 @@ def test_healthy_zero3_run_is_silent(tmp_path_factory, shared_cache):
 
 @pytest.mark.slow
 def test_crashed_job_still_finishes_its_wandb_run_and_timeline(tmp_path, shared_cache):
-    args = [a for a in FAST if not a.startswith(("logger=", "trainer.val_check_interval", "trainer.limit_val"))] + [
+    args = SMOKE + [
         "logger=many", "trainer.val_check_interval=10", "trainer.limit_val_batches=1", "export.hf=false",
         "export.fp32=false", "+callbacks=log_sync", "callbacks.log_sync.every_n_steps=1", "callbacks.log_sync.warmup_steps=0",
-        "+callbacks.plant._target_=tests.planted_comm.RaiseAtStep", "+callbacks.plant.step=2", *TINY_NET]
+        "+callbacks.plant._target_=tests.planted.comm.RaiseAtStep", "+callbacks.plant.step=2", *TINY_NET]
     proc = run_train(args, tmp_path, shared_cache, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode != 0 and "planted crash at step 2" in proc.stderr
     run_dir = only_run_dir(tmp_path)

@@ -17,9 +17,10 @@ from dsdebug.callbacks.loss_spike import LossSpike
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.data.resumable import ResumableDataLoader, ResumePosition
 from dsdebug.errors import ConfigError
-from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process, train_losses
-from tests.planted_grads import changed_params, read_findings
-from tests.planted_spike import read_batches
+from tests.helpers.runs import SMOKE, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process, train_losses
+from tests.helpers.findings import read_findings
+from tests.planted.grads import changed_params
+from tests.planted.spike import read_batches
 
 
 def loud(records: list[dict]) -> list[tuple]:
@@ -96,10 +97,10 @@ def test_loader_drops_excluded_positions_and_counts_them():
 
 
 # ---- (b) planted spikes in real runs ---------------------------------------------------------------
-RUN = [a for a in FAST if not a.startswith("trainer.max_steps")] + TINY_NET + [
+RUN = SMOKE + TINY_NET + [
     "+callbacks=loss_spike", "callbacks.loss_spike.warmup_steps=5", "callbacks.loss_spike.window=10",
     "export.hf=false", "export.fp32=false", "trainer.val_check_interval=100",
-    "+callbacks.spike._target_=tests.planted_spike.SpikeLoss",
+    "+callbacks.spike._target_=tests.planted.spike.SpikeLoss",
 ]
 
 
@@ -118,7 +119,7 @@ def test_warn_names_the_spike_step_and_batch(tmp_path, shared_cache):
 def test_skip_drops_exactly_the_spike_updates(tmp_path, shared_cache):
     run_dir = tmp_path / "run"
     train_in_process(RUN + ["trainer.max_steps=13", "+callbacks.spike.steps=[10,11]",
-                            "callbacks.loss_spike.policy=skip", "+callbacks.rec._target_=tests.planted_grads.ParamRecorder",
+                            "callbacks.loss_spike.policy=skip", "+callbacks.rec._target_=tests.planted.grads.ParamRecorder",
                             "+callbacks.rec.steps=[9,10,11,12]"], run_dir, shared_cache)
     found = read_findings(run_dir, "loss_spike")
     assert loud(found) == [("loss_spike_skipped", 10), ("loss_spike_skipped", 11)]
@@ -128,7 +129,7 @@ def test_skip_drops_exactly_the_spike_updates(tmp_path, shared_cache):
 
 def test_rollback_recovers_records_and_a_resume_does_not_replay(tmp_path, shared_cache):
     run_dir = tmp_path / "run"
-    witness = ["+callbacks.witness._target_=tests.planted_spike.BatchWitness"]
+    witness = ["+callbacks.witness._target_=tests.planted.spike.BatchWitness"]
     train_in_process(RUN + witness + ["trainer.max_steps=24", "+callbacks.spike.steps=[12,13]",
                                       "callbacks.loss_spike.policy=rollback",
                                       "callbacks.model_checkpoint.every_n_train_steps=5"], run_dir, shared_cache)

@@ -1,6 +1,6 @@
 """memory: the formula and its extras, leak detection, OOM advice, held model-state bytes.
 
-Planted (tests/planted_resources.py): a callback keeping 64 MB alive per step from step 6 ->
+Planted (tests/planted/resources.py): a callback keeping 64 MB alive per step from step 6 ->
 ``memory_growth`` within 5 steps; a forward raising CUDA's OOM at step 3 -> ``oom`` with the
 advice, exit 1 and one error line; a 2-process ZeRO-3 run whose ranks hold the formula's bytes/N."""
 
@@ -16,9 +16,9 @@ from dsdebug.callbacks.memory import MemoryMonitor
 from dsdebug.callbacks.memory.footprint import expected_state_bytes, growth, oom_advice
 from dsdebug.errors import ConfigError
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
-from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
+from tests.helpers.runs import SMOKE, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
 
-SHORT = [a for a in FAST if not a.startswith("trainer.max_steps")] + ["export.fp32=false", "export.hf=false"]
+SHORT = SMOKE + ["export.fp32=false", "export.hf=false"]
 
 
 def findings(run_dir, severities=("info", "warning", "error")) -> list[dict]:
@@ -92,7 +92,7 @@ def test_planted_leak_is_memory_growth_within_5_steps(tmp_path, shared_cache):
     onset = 6
     overrides = SHORT + [*TINY_NET, "+callbacks=memory", "trainer.max_steps=14", "callbacks.memory.warmup_steps=3",
                          "callbacks.memory.growth_window=4", "callbacks.memory.growth_mb_per_step=20",
-                         "+callbacks.planted._target_=tests.planted_resources.LeakFrom",
+                         "+callbacks.planted._target_=tests.planted.resources.LeakFrom",
                          f"+callbacks.planted.step={onset}", "+callbacks.planted.mb=64"]
     train_in_process(overrides, tmp_path / "run", shared_cache)
     loud = findings(tmp_path / "run", ("warning", "error"))
@@ -105,9 +105,10 @@ def test_planted_leak_is_memory_growth_within_5_steps(tmp_path, shared_cache):
     assert len(states) == 1 and "zero2 on 1 rank(s)" in states[0]["message"]  # held == expected on a healthy run
 
 
+@pytest.mark.slow  # a command line that dies of a planted OOM, memory's planted leak runs in make test
 def test_planted_oom_is_one_error_line_and_an_oom_finding_with_advice(tmp_path, shared_cache):
     proc = run_train(SHORT + [*TINY_NET, "+callbacks=memory", "trainer.max_steps=6",
-                              "model.net._target_=tests.planted_resources.OOMAtStep", "+model.net.step=3"],
+                              "model.net._target_=tests.planted.resources.OOMAtStep", "+model.net.step=3"],
                      tmp_path, shared_cache)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -1,7 +1,7 @@
 """mixed_precision: loss-scale trajectory, overflow streaks, the scaler's floor, frequent overflow and
 bf16 update underflow -- detection logic in-process (DeepSpeed's real DynamicLossScaler, torch's
 GradScaler), a planted overflow streak under REAL fp16 on CPU (Lightning's MixedPrecision plugin +
-torch GradScaler("cpu"), tests/planted_precision.py), bf16 weights with a too-small LR, and a healthy
+torch GradScaler("cpu"), tests/planted/precision.py), bf16 weights with a too-small LR, and a healthy
 bf16-mixed ZeRO-2 run that stays silent."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dsdebug.callbacks.mixed_precision.loss_scale import ScalerReader, subnormal
 from dsdebug.callbacks.mixed_precision import MixedPrecisionCheck
 from dsdebug.errors import ConfigError
 from dsdebug.findings import get_channel
-from tests.conftest import FAST, SMALL_DEEPSEEK, TINY_NET, train_in_process
-from tests.planted_grads import one, read_findings
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, TINY_NET, train_in_process
+from tests.helpers.findings import one, read_findings
 
 
 def loud(records: list[dict]) -> list[tuple]:
@@ -101,14 +101,14 @@ def test_bad_values_are_one_line_config_errors():
         assert "\n" not in str(e.value)
 
 
-RUN = [*FAST, *TINY_NET, "strategy=ddp", "+callbacks=mixed_precision", "callbacks.mixed_precision.every_n_steps=1",
+RUN = [*SMOKE, *TINY_NET, "strategy=ddp", "+callbacks=mixed_precision", "callbacks.mixed_precision.every_n_steps=1",
        "trainer.val_check_interval=100"]
 
 
 def test_real_fp16_on_cpu_planted_overflow_streak_named_with_advice(tmp_path, shared_cache):
     run_dir = tmp_path / "run"
     train_in_process([*RUN, "trainer.max_steps=14", "callbacks.mixed_precision.min_scale=64",
-                      "+callbacks.planted._target_=tests.planted_precision.RealFp16OnCpu",
+                      "+callbacks.planted._target_=tests.planted.precision.RealFp16OnCpu",
                       "+callbacks.planted.module=mlp.2", "+callbacks.planted.overflow_step=3",
                       "+callbacks.planted.overflow_steps=20"], run_dir, shared_cache)
     found = read_findings(run_dir, "mixed_precision")
@@ -141,7 +141,7 @@ def test_bf16_weights_with_tiny_lr_updates_rounded_away(tmp_path, shared_cache):
 @pytest.mark.slow
 def test_healthy_bf16_mixed_zero2_is_silent(tmp_path, shared_cache):
     run_dir = tmp_path / "run"
-    train_in_process([*FAST, *SMALL_DEEPSEEK, "+callbacks=mixed_precision", "trainer.precision=bf16-mixed",
+    train_in_process([*SMOKE, *SMALL_DEEPSEEK, "+callbacks=mixed_precision", "trainer.precision=bf16-mixed",
                       "trainer.max_steps=200", "trainer.val_check_interval=100", "trainer.log_every_n_steps=10",
                       "callbacks.mixed_precision.every_n_steps=10"], run_dir, shared_cache)
     found = read_findings(run_dir, "mixed_precision")

@@ -1,12 +1,11 @@
 """moe_router: router collapse, dead experts, load imbalance and a rising aux loss are found per
 window and named (layer, experts, shares); healthy and balanced windows are silent. Unit tests on
-synthetic windows; planted bugs (tests/planted_router.py) on the tiny DeepSeek-V3 and on HF
+synthetic windows; planted bugs (tests/planted/router.py) on the tiny DeepSeek-V3 and on HF
 Qwen2-MoE, 1 process; one 2-process ZeRO-3 run (slow) for the all-reduced decision."""
 
 from __future__ import annotations
 
 import json
-import math
 from functools import partial
 from types import SimpleNamespace
 
@@ -17,7 +16,7 @@ from dsdebug.callbacks.moe_router import MoERouter, record_stats, window_stats
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
 from dsdebug.models.moe_aux import RouterRecord
-from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, only_run_dir, run_train, train_in_process
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, assert_ok, only_run_dir, run_train, train_in_process
 
 
 def loud(records: list[dict]) -> list[tuple]:
@@ -162,13 +161,13 @@ def test_listener_counts_every_token_and_off_means_no_hook():
 
 
 # ---- planted bugs in real runs ---------------------------------------------------------------
-RUN = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+RUN = SMOKE + [
     "+callbacks=moe_router", "callbacks.moe_router.window_steps=2", "callbacks.moe_router.warmup_steps=2",
     "export.fp32=false", "export.hf=false"]
 
 
 def _bias(name: str, layer: int, expert: int, step: int, bias: float) -> list[str]:
-    return [f"+callbacks.{name}._target_=tests.planted_router.RouterBias", f"+callbacks.{name}.layer={layer}",
+    return [f"+callbacks.{name}._target_=tests.planted.router.RouterBias", f"+callbacks.{name}.layer={layer}",
             f"+callbacks.{name}.expert={expert}", f"+callbacks.{name}.step={step}", f"+callbacks.{name}.bias={bias}"]
 
 

@@ -1,7 +1,7 @@
 """nan_triage: a non-finite step is re-run once from the same state and labelled -- a planted
 transient NaN (once, the rerun is finite), a planted reproducible NaN (every call during the step,
 named by module), a gradient-only NaN (backward rerun via autograd.grad), and 2 processes under
-ZeRO-2 where all ranks rerun together (no hang). Planted modules: tests/planted_nan.py."""
+ZeRO-2 where all ranks rerun together (no hang). Planted modules: tests/planted/nan.py."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import torch
 
 from dsdebug.callbacks.nan_triage import NaNTriage, _finite
 from dsdebug.errors import ConfigError
-from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
-from tests.planted_grads import one, read_findings
+from tests.helpers.runs import SMOKE, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
+from tests.helpers.findings import one, read_findings
 
-BASE = [*FAST, *TINY_NET, "trainer.max_steps=5", "trainer.val_check_interval=100", "+callbacks=nan_triage",
+BASE = [*SMOKE, *TINY_NET, "trainer.max_steps=5", "trainer.val_check_interval=100", "+callbacks=nan_triage",
         "callbacks.nan_triage.on_error=skip"]
 
 
 def planted(step: int, calls: str, module: str = "mlp.2") -> list[str]:
-    return ["+callbacks.planted._target_=tests.planted_nan.NaNOutput", f"+callbacks.planted.module={module}",
+    return ["+callbacks.planted._target_=tests.planted.nan.NaNOutput", f"+callbacks.planted.module={module}",
             f"+callbacks.planted.step={step}", f"+callbacks.planted.calls={calls}"]
 
 
@@ -65,7 +65,7 @@ def test_reproducible_nan_ddp_names_module_and_batch(tmp_path, shared_cache):
 
 def test_gradient_only_nan_is_rerun_through_backward(tmp_path, shared_cache):
     run_dir = tmp_path / "run"  # grad_monitor's planted hook: one NaN in head.weight's gradient at step 1
-    train_in_process([*BASE, "strategy=ddp", "+callbacks.nan._target_=tests.planted_grads.CorruptGrad",
+    train_in_process([*BASE, "strategy=ddp", "+callbacks.nan._target_=tests.planted.grads.CorruptGrad",
                       "+callbacks.nan.param=head.weight", "+callbacks.nan.step=1"], run_dir, shared_cache)
     f = one(read_findings(run_dir, "nan_triage"), "nan_reproducible")  # the hook fires in autograd.grad too
     assert f["step"] == 1 and f["details"]["rerun"] == "forward+backward" and f["details"]["module"] is None

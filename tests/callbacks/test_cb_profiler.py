@@ -10,8 +10,8 @@ import pytest
 
 from dsdebug.callbacks.profiler import Profiler
 from dsdebug.errors import ConfigError
-from tests.planted_data import cli_run, of
-from tests.shared_runs import healthy_run, read_findings
+from tests.helpers.findings import of, read_findings
+from tests.helpers.shared_runs import data_run, healthy_run
 
 BREAKDOWN = ["time/step_ms", "time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms",
              "time/comm_ms", "time/data_fraction"]
@@ -23,7 +23,7 @@ def _trace_names(path) -> set[str]:
 
 
 def test_healthy_run_trace_table_and_breakdown(tmp_path_factory, shared_cache):
-    run_dir, findings = cli_run("healthy", tmp_path_factory, shared_cache)
+    run_dir, findings = data_run("healthy", tmp_path_factory, shared_cache)
     assert of(findings, "profiler") == []
     names = _trace_names(run_dir / "profiler" / "trace_rank0.json")
     assert {"aten::mm", "dsdebug/forward", "dsdebug/backward"} <= names
@@ -40,7 +40,7 @@ def test_healthy_run_trace_table_and_breakdown(tmp_path_factory, shared_cache):
 
 
 def test_slow_collate_is_a_data_bound_warning_naming_the_loader(tmp_path_factory, shared_cache):
-    _, findings = cli_run("planted", tmp_path_factory, shared_cache)
+    _, findings = data_run("planted", tmp_path_factory, shared_cache)
     bad = of(findings, "profiler")
     assert [f["code"] for f in bad] == ["data_bound"]
     f = bad[0]
@@ -48,10 +48,9 @@ def test_slow_collate_is_a_data_bound_warning_naming_the_loader(tmp_path_factory
     assert f["details"]["metrics"]["time/data_fraction"] > 0.3 and "num_workers" in f["advice"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_two_processes_write_a_trace_per_rank(strategy, tmp_path_factory, shared_cache):
-    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/helpers/shared_runs.py
     findings = read_findings(run_dir)
     assert of(findings, "profiler") == []
     for rank in (0, 1):

@@ -2,7 +2,7 @@
 planted rank-local weight writes are named in 2-process runs (DDP with the reproducibility
 pointer, ZeRO-2 where the next all-gather heals the copy, ZeRO-3 on a persistent parameter),
 and the healthy steps before each onset are silent (every step checked).
-The planted module is tests/planted_parity.py."""
+The planted module is tests/planted/parity.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dsdebug.callbacks.replica_parity.checksums import checksums, divergent
 from dsdebug.callbacks.reproducibility.replay import _only
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
-from tests.conftest import FAST, SMALL_DEEPSEEK, assert_ok, only_run_dir, run_train
-from tests.planted_grads import one, read_findings
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, assert_ok, only_run_dir, run_train
+from tests.helpers.findings import one, read_findings
 
 # ---- (a) detection logic, in-process ---------------------------------------------------
 
@@ -109,12 +109,12 @@ def test_replay_pointer_only_for_a_subset_of_ranks():
 
 
 # ---- (b) planted bugs and a healthy run, 2 processes ------------------------------------
-BASE = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
+BASE = SMOKE + [
     "trainer=ddp_sim", "trainer.max_steps=5", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
     "export.hf=false", "export.fp32=false", *SMALL_DEEPSEEK,
     "+callbacks=[replica_parity]", "callbacks.replica_parity.every_n_steps=1"]
 PARAM = "model.layers.1.self_attn.o_proj.weight"
-DRIFT = ["+callbacks.drift._target_=tests.planted_parity.PerturbParam", f"+callbacks.drift.param={PARAM}",
+DRIFT = ["+callbacks.drift._target_=tests.planted.parity.PerturbParam", f"+callbacks.drift.param={PARAM}",
          "+callbacks.drift.rank=1"]
 
 
@@ -128,7 +128,6 @@ def _loud(found):
     return [(r["check"], r["code"], r["step"]) for r in found if r["severity"] != "info"]
 
 
-@pytest.mark.slow
 def test_ddp_weight_written_in_forward_on_rank1_is_named_and_replay_points_here(tmp_path, shared_cache):
     found = _run([*BASE, "strategy=ddp", "+callbacks=[replica_parity,reproducibility]",
                   "callbacks.reproducibility.replay_steps=2", *DRIFT, "+callbacks.drift.step=1",

@@ -13,9 +13,10 @@ import torch
 
 from dsdebug.errors import ConfigError
 from dsdebug.findings import configure_channel
-from tests.conftest import error_lines, run_train, train_losses
-from tests.planted_data import cli_run, of
-from tests.shared_runs import healthy_run, read_findings
+from tests.helpers.bad_input import cli_error_lines
+from tests.helpers.runs import train_losses
+from tests.helpers.findings import of, read_findings
+from tests.helpers.shared_runs import data_run, healthy_run
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def isolated(monkeypatch):
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory, shared_cache):
-    return cli_run("healthy", tmp_path_factory, shared_cache)
+    return data_run("healthy", tmp_path_factory, shared_cache)
 
 
 def test_healthy_run_is_silent_and_records_seeds_and_rng_states(healthy):
@@ -54,14 +55,14 @@ def test_healthy_run_is_silent_and_records_seeds_and_rng_states(healthy):
 
 
 def test_replay_does_not_change_the_real_training_step(healthy, tmp_path_factory, shared_cache):
-    again, _ = cli_run("healthy_again", tmp_path_factory, shared_cache)  # replay_steps=0, no profiler
+    again, _ = data_run("healthy_again", tmp_path_factory, shared_cache)  # replay_steps=0, no profiler
     replayed = train_losses(healthy[0])
     assert sorted(replayed) == list(range(5))
     assert replayed == train_losses(again)  # bitwise
 
 
 def test_planted_unseeded_noise_module_is_named(tmp_path_factory, shared_cache):
-    _, findings = cli_run("planted", tmp_path_factory, shared_cache)
+    _, findings = data_run("planted", tmp_path_factory, shared_cache)
     bad = [f for f in of(findings, "reproducibility") if f["code"] == "nondeterministic_op"]
     assert len(bad) == 1, bad  # the first divergence, once per rank
     f = bad[0]
@@ -69,10 +70,9 @@ def test_planted_unseeded_noise_module_is_named(tmp_path_factory, shared_cache):
     assert f["details"]["module"] == "net.noise" and f["details"]["max_abs_diff_sampled"] > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_two_processes_replay_and_record_every_rank(strategy, tmp_path_factory, shared_cache):
-    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    run_dir, _ = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/helpers/shared_runs.py
     findings = read_findings(run_dir)
     assert of(findings, "reproducibility") == []
     assert any(f["code"] == "replay_ok" for f in findings)
@@ -128,9 +128,7 @@ def test_bad_values_are_config_errors(kwargs, isolated):
         Reproducibility(**kwargs)
 
 
-def test_bad_value_on_the_command_line_is_one_line(tmp_path, shared_cache):
+def test_bad_value_on_the_command_line_is_one_line(tmp_path, shared_cache, capsys):
     args = ["+callbacks=reproducibility", "callbacks.reproducibility.replay_steps=-2"]
-    proc = run_train(args, tmp_path, shared_cache)
-    assert proc.returncode == 2
-    lines = error_lines(proc)
-    assert len(lines) == 1 and "callbacks.reproducibility.replay_steps=-2" in lines[0], proc.stderr[-2000:]
+    lines = cli_error_lines(args, tmp_path, shared_cache, capsys)  # in-process: tests/helpers/bad_input.py
+    assert len(lines) == 1 and "callbacks.reproducibility.replay_steps=-2" in lines[0], lines

@@ -1,8 +1,8 @@
 """throughput: tokens/s, MFU, and the seed-002 findings on planted slow runs (1 process).
 
-Planted: the train collate sleeps 1 s per batch (the box is shared: a step can take ~1 s) (tests/planted_data.BuggyDataModule with only
+Planted: the train collate sleeps 1 s per batch (the box is shared: a step can take ~1 s) (tests.planted.data.BuggyDataModule with only
 ``slow_collate``) -> ``input_bound`` within 5 steps of the window filling; from step 8 every step
-sleeps 4x its earlier median in backward (tests/planted_resources.SlowFrom) -> ``throughput_drop``
+sleeps 4x its earlier median in backward (tests.planted.resources.SlowFrom) -> ``throughput_drop``
 naming step 8 within 5 steps. The healthy steps before are silent."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from dsdebug.callbacks.throughput import Throughput, _batch_size
 from dsdebug.errors import ConfigError
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops
-from tests.conftest import FAST, TINY_NET, train_in_process
+from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
 
-SHORT = [a for a in FAST if not a.startswith("trainer.max_steps")] + ["export.fp32=false", "export.hf=false"]
+SHORT = SMOKE + ["export.fp32=false", "export.hf=false"]
 
 
 def findings(run_dir, severities=("info", "warning", "error")) -> list[dict]:
@@ -61,9 +61,10 @@ def test_drop_needs_patience_and_rearms(monkeypatch):
     assert [c for c, _ in seen] == ["throughput_drop"] and "since step 9" in seen[0][1]  # 2 slow steps: not yet
 
 
+@pytest.mark.slow  # clock-bound (1 s per batch), throughput's planted slowdown runs in make test
 def test_slow_collate_is_input_bound(tmp_path, shared_cache):
     overrides = SHORT + [*TINY_NET, "+callbacks=throughput", "trainer.max_steps=10", "callbacks.throughput.warmup_steps=1",
-                         "callbacks.throughput.window=4", "data._target_=tests.planted_data.BuggyDataModule",
+                         "callbacks.throughput.window=4", "data._target_=tests.planted.data.BuggyDataModule",
                          "+data.leak_val=false", "+data.urandom_order=false", "+data.shift_labels=false",
                          "+data.collate_delay=1.0", "trainer.val_check_interval=5"]
     m = train_in_process(overrides, tmp_path / "run", shared_cache)
@@ -81,7 +82,7 @@ def test_slowdown_from_step_8_is_throughput_drop_and_summary(tmp_path, shared_ca
     overrides = SHORT + [*TINY_NET, "+callbacks=throughput", "trainer.max_steps=13", "callbacks.throughput.warmup_steps=1",
                          "callbacks.throughput.window=4", "callbacks.throughput.drop_patience=3",
                          "trainer.val_check_interval=100",
-                         "+callbacks.planted._target_=tests.planted_resources.SlowFrom",
+                         "+callbacks.planted._target_=tests.planted.resources.SlowFrom",
                          f"+callbacks.planted.step={onset}", "+callbacks.planted.factor=4"]
     train_in_process(overrides, tmp_path / "run", shared_cache)
     loud = findings(tmp_path / "run", ("warning", "error"))
@@ -98,7 +99,7 @@ def test_slowdown_from_step_8_is_throughput_drop_and_summary(tmp_path, shared_ca
 
 
 def test_comm_heavy_reads_comm_debugs_tracker_only_when_it_exists(monkeypatch):
-    from dsdebug.callbacks.comm_debug import CommTracker
+    from dsdebug.distributed.timing import CommTracker
 
     cb = Throughput(window=3, comm_forward_ratio=0.2)
     seen = []

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from dsdebug.errors import ConfigError
 from dsdebug.findings.ranks import name_ranks, rank_ranges
-from dsdebug.callbacks.consistency import ConsistencyCheck, compare_facts, config_facts, env_facts, rank_facts
+from dsdebug.callbacks.consistency import ConsistencyCheck, compare_facts, env_facts, rank_facts
+from dsdebug.config.fingerprint import config_facts
 from dsdebug.distributed.log_format import HostFormatter
 from dsdebug.distributed.rank_files import merge_payloads, rank_payload
 

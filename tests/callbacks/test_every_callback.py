@@ -1,7 +1,7 @@
 """Every conf/callbacks/*.yaml goes through a short fit: a new callback is covered the
 moment its config exists. Runs in-process (1 rank) with a small plain net to stay cheap; the
 seven debug checks on the real tiny DeepSeek are the shared debug=full runs
-(tests/shared_runs.py, asserted silent in tests/callbacks/test_presets.py)."""
+(tests/helpers/shared_runs.py, asserted silent in tests/callbacks/test_presets.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import CONF, FAST, TINY_NET, train_in_process
+from tests.helpers.runs import CONF, SMOKE, TINY_NET, train_in_process
 
 CALLBACKS = sorted(p.stem for p in (CONF / "callbacks").glob("*.yaml") if p.stem != "default")
 
@@ -30,11 +30,11 @@ def _restore_env():
 
 @pytest.mark.parametrize("name", CALLBACKS)
 def test_callback_config_runs_a_short_fit(name, tmp_path, shared_cache):
-    overrides = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+    overrides = SMOKE + [
         f"+callbacks={name}", "trainer.max_steps=3", "strategy=zero2", "export.fp32=false", "export.hf=false",
         *TINY_NET]
-    if name == "rich_progress_bar":
-        overrides = [o for o in overrides if o != "~callbacks.rich_progress_bar" and "enable_progress_bar" not in o]
+    if name == "rich_progress_bar":  # experiment=smoke turns the bar off; +callbacks=rich_progress_bar comes after it
+        overrides.append("trainer.enable_progress_bar=true")
     m = train_in_process(overrides, tmp_path / "run", shared_cache)
     assert m["global_step"] == 3 and m["status"] == "completed"
     findings = tmp_path / "run" / "findings.jsonl"

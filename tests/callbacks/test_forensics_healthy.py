@@ -18,14 +18,13 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from tests.conftest import FAST, assert_ok, metrics, only_run_dir, run_train
-from tests.shared_runs import read_findings
+from tests.helpers.runs import SMOKE, assert_ok, metrics, only_run_dir, run_train
+from tests.helpers.findings import read_findings
 
 STEPS = 200
 FORENSICS = {"replica_parity", "loss_spike", "layer_health", "moe_router", "memory", "throughput",
              "mixed_precision", "nan_triage"}
-LONG = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval",
-                                              "trainer.limit_val_batches", "trainer.log_every_n_steps"))] + [
+LONG = SMOKE + [
     "trainer=ddp_sim", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=100",
     "trainer.limit_val_batches=2", "trainer.log_every_n_steps=10", "data.max_tokens=null",
     "data.batch_size=4", "data.seq_len=64", "debug=full", "export.fp32=false", "export.hf=false",

@@ -17,7 +17,7 @@ import hydra.utils
 from omegaconf import OmegaConf
 
 import dsdebug.callbacks as callbacks
-from tests.conftest import CONF, REPO
+from tests.helpers.runs import CONF, REPO
 
 CHECKS = {name: module for name, module in callbacks._MODULES.items() if name != "DebugCallback"}
 
@@ -59,6 +59,38 @@ def test_a_stray_helper_file_is_refused(tmp_path):
     problems = layout_problems(folder)
     assert any(p.startswith("_memory_math.py:") for p in problems), problems
     assert any(p.startswith("loss_spike/:") for p in problems), problems
+
+
+def cross_check_imports(folder: Path) -> list[str]:
+    """A check imports the base, the shared helpers and its own package, never another check."""
+    from tests.trainer.test_layering import _imports
+
+    src, bad = folder.parent, []
+    checks = set(CHECKS.values())
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder).parts
+        own = rel[0].removesuffix(".py")
+        if own not in checks:
+            continue
+        for line, module in _imports(path, src):
+            parts = module.split(".")
+            if parts[:2] == ["dsdebug", "callbacks"] and len(parts) > 2 and parts[2] in checks and parts[2] != own:
+                bad.append(f"callbacks/{'/'.join(rel)}:{line} imports {module}: another check; share it through "
+                           f"a helper ({', '.join(callbacks.SHARED)}) or a lower layer")
+    return bad
+
+
+def test_no_check_imports_another_check():
+    assert cross_check_imports(REPO / "src" / "callbacks") == []
+
+
+def test_a_planted_cross_check_import_is_refused(tmp_path):
+    folder = tmp_path / "src" / "callbacks"
+    shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    nan = folder / "nan_triage.py"
+    nan.write_text(nan.read_text() + "\n\ndef _late():\n    from dsdebug.callbacks.grad_monitor import GradMonitor\n")
+    bad = cross_check_imports(folder)
+    assert len(bad) == 1 and "nan_triage.py" in bad[0] and "grad_monitor" in bad[0], bad
 
 
 def test_every_check_imports_from_the_facade_and_its_config_targets_it():

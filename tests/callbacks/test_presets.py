@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dsdebug.callbacks import is_debug_check
-from tests.conftest import CONF, REPO, metrics
-from tests.shared_runs import healthy_run
+from tests.helpers.runs import CONF, REPO, metrics
+from tests.helpers.shared_runs import healthy_run
 
 PRESETS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 SEVEN = {"reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify", "log_sync"}
@@ -45,10 +45,9 @@ def test_presets_select_the_right_checks(monkeypatch):
     assert set(PRESETS) == {"none", "light", "full", *singles}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_debug_full_on_a_healthy_two_process_run_is_silent(strategy, tmp_path_factory, shared_cache):
-    run_dir, proc = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/shared_runs.py
+    run_dir, proc = healthy_run(strategy, tmp_path_factory, shared_cache)  # shared: tests/helpers/shared_runs.py
     assert metrics(run_dir)["global_step"] == 6
     records = [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()]
     assert {r["check"] for r in records} >= SEVEN - {"log_sync"}  # they ran and reported (info)

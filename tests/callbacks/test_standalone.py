@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from examples.plain_lightning.src.model import BoringModel, RandomFloats
-from tests.conftest import FAST, REPO, SMALL_DEEPSEEK, assert_ok, metrics, only_run_dir
+from tests.helpers.runs import REPO, SMALL_DEEPSEEK, SMOKE, assert_ok, metrics, only_run_dir
 
 EXAMPLE = REPO / "examples" / "plain_lightning"
 
@@ -191,7 +191,7 @@ def test_installed_checks_in_a_plain_ddp_project(tmp_path, shared_cache):
     # the installed entry point, from a directory that is not the checkout
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + SMALL_DEEPSEEK
+    args = SMOKE + SMALL_DEEPSEEK
     run = subprocess.run([str(venv / "bin" / "dsdebug-train"), "trainer.max_steps=3", *args,
                           f"paths.log_dir={tmp_path / 'cli_logs'}"], cwd=elsewhere, capture_output=True, text=True,
                          timeout=600, env=_clean_env(DSDEBUG_CACHE_DIR=str(shared_cache)))

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dsdebug.checkpoint.integrity import write_manifest
-from tests.conftest import FAST, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
-from tests.shared_runs import TWO_PROC, strategy_run
+from tests.helpers.bad_input import assert_one_line_error, cli_error_lines
+from tests.helpers.runs import SMOKE, assert_ok, metrics, only_run_dir, run_train, train_losses
+from tests.helpers.shared_runs import TWO_PROC, strategy_run
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +18,7 @@ def zero2_two_ranks(tmp_path_factory, shared_cache):
     return strategy_run("zero2", tmp_path_factory, shared_cache)[0]
 
 
+@pytest.mark.slow  # a 2-process resume through DeepSpeed's universal checkpoint (the refusals run in-process below)
 def test_zero2_checkpoint_resumes_under_zero1(zero2_two_ranks, tmp_path, shared_cache):
     ckpt = zero2_two_ranks / "checkpoints" / "step_000003.ckpt"
     proc = run_train(TWO_PROC + ["strategy=zero1", "export.fp32=false", f"ckpt_path={ckpt}"], tmp_path, shared_cache)
@@ -33,16 +35,15 @@ def test_zero2_checkpoint_resumes_under_zero1(zero2_two_ranks, tmp_path, shared_
 
 
 @pytest.mark.parametrize("saved,now", [(2, "zero3"), (3, "zero2")])
-def test_zero3_and_zero12_do_not_mix_and_say_why(saved, now, tmp_path, shared_cache):
+def test_zero3_and_zero12_do_not_mix_and_say_why(saved, now, tmp_path, shared_cache, capsys):
     ckpt = _fake(tmp_path, "DebugDeepSpeedStrategy", saved, 2)
-    proc = run_train(FAST + [f"strategy={now}", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache)
-    assert proc.returncode == 2
-    (line,) = error_lines(proc)
-    assert str(ckpt) in line and f"zero_stage={saved}" in line and "ZeRO-3" in line
+    lines = cli_error_lines(SMOKE + [f"strategy={now}", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, [str(ckpt), f"zero_stage={saved}", "ZeRO-3"])
 
 
+@pytest.mark.slow  # resharding a real checkpoint onto another world size
 def test_zero3_two_rank_checkpoint_resumes_on_one_rank(tmp_path_factory, tmp_path, shared_cache):
-    from tests.shared_runs import healthy_run
+    from tests.helpers.shared_runs import healthy_run
 
     source, _ = healthy_run("zero3", tmp_path_factory, shared_cache)
     ckpt = source / "checkpoints" / "step_000003.ckpt"
@@ -69,21 +70,17 @@ def _fake(tmp_path, strategy, stage, world_size):
     return ckpt
 
 
-def test_ddp_checkpoint_under_deepspeed_says_how(tmp_path, shared_cache):
+def test_ddp_checkpoint_under_deepspeed_says_how(tmp_path, shared_cache, capsys):
     ckpt = _fake(tmp_path, "DebugDDPStrategy", None, 2)
-    proc = run_train(FAST + ["strategy=zero2", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache)
-    assert proc.returncode == 2
-    (line,) = error_lines(proc)
-    assert str(ckpt) in line and "DDP and DeepSpeed" in line and "model=hf_pretrained" in line
+    lines = cli_error_lines(SMOKE + ["strategy=zero2", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, [str(ckpt), "DDP and DeepSpeed", "model=hf_pretrained"])
 
 
-def test_reshard_off_says_how_to_convert(tmp_path, shared_cache):
+def test_reshard_off_says_how_to_convert(tmp_path, shared_cache, capsys):
     ckpt = _fake(tmp_path, "DebugDeepSpeedStrategy", 2, 4)
-    proc = run_train(FAST + ["strategy=zero2", f"ckpt_path={ckpt}", "resume_reshard=false"], tmp_path / "logs",
-                     shared_cache)
-    assert proc.returncode == 2
-    (line,) = error_lines(proc)
-    assert "world_size=4" in line and "world_size=1" in line and "ds_to_universal" in line
+    lines = cli_error_lines(SMOKE + ["strategy=zero2", f"ckpt_path={ckpt}", "resume_reshard=false"], tmp_path / "logs",
+                            shared_cache, capsys)
+    assert_one_line_error(lines, ["world_size=4", "world_size=1", "ds_to_universal"])
 
 
 @pytest.mark.parametrize("what,strategy,words", [
@@ -91,7 +88,7 @@ def test_reshard_off_says_how_to_convert(tmp_path, shared_cache):
     ("torch_file", "zero2", ["single-file (DDP) checkpoint", "strategy=ddp"]),
     ("ds_dir", "ddp", ["DeepSpeed checkpoint directory", "strategy=zero1|zero2|zero3"]),
 ])
-def test_checkpoint_of_the_wrong_kind_is_one_line(what, strategy, words, tmp_path, shared_cache):
+def test_checkpoint_of_the_wrong_kind_is_one_line(what, strategy, words, tmp_path, shared_cache, capsys):
     """Checkpoints from elsewhere (no manifest) that this run's strategy cannot load."""
     if what == "text_file":
         ckpt = tmp_path / "notes.ckpt"
@@ -103,7 +100,5 @@ def test_checkpoint_of_the_wrong_kind_is_one_line(what, strategy, words, tmp_pat
         ckpt = tmp_path / "step_000002.ckpt"
         (ckpt / "checkpoint").mkdir(parents=True)
         (ckpt / "latest").write_text("checkpoint")
-    proc = run_train(FAST + [f"strategy={strategy}", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    (line,) = error_lines(proc)
-    assert str(ckpt) in line and all(w in line for w in words), line
+    lines = cli_error_lines(SMOKE + [f"strategy={strategy}", f"ckpt_path={ckpt}"], tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, [str(ckpt), *words])

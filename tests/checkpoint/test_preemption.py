@@ -14,10 +14,12 @@ import time
 
 import pytest
 
-from tests.conftest import FAST, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
-from tests.procs import output, rank_pids, start_train, wait_for
+from tests.helpers.runs import SMOKE, assert_ok, error_lines, metrics, only_run_dir, run_train, train_losses
+from tests.helpers.procs import output, rank_pids, start_train, wait_for
 
-ARGS = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
+pytestmark = pytest.mark.slow  # preemption: real 2-process runs signalled mid-step and resumed
+
+ARGS = SMOKE + [
     "trainer=ddp_sim",
     "strategy=zero2",
     "trainer.max_steps=12",

@@ -1,6 +1,13 @@
 """Bad input: one line on stderr naming the key/file and the valid choices, exit code 2.
 
-Every row of docs/bad_inputs.md is one test here (or in tests/checkpoint/test_ckpt_integrity.py).
+Every row of docs/bad_inputs.md is one test here (or in the file its row names). A case runs in this
+process (tests/helpers/bad_input.py ``cli_error_lines``): each layer of the command line is called in the
+CLI's order -- composition (``precheck_overrides``), Hydra's run-start callback (``OutputDirCheck``), the
+composed config (``prepare``), the checkpoint to resume, building (``entry.build``), data preparation
+(the datamodule's ``setup``) -- and the first one that refuses gives the ``error:`` line the command line
+prints. ``trainer/cli.py`` turns every refusal of a layer into that line, exit code 2 and no traceback in
+the same way, so ``test_command_line_prints_the_same_line_and_exits_2`` runs ``train.py`` for real once
+per layer and compares its line with the in-process one.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dsdebug.errors import ConfigError
-from tests.conftest import CONF, FAST, REPO, error_lines, run_train
+from tests.helpers.bad_input import assert_one_line_error, cli_error_lines
+from tests.helpers.runs import CONF, REPO, SMOKE, compose_as_hydra_main, error_lines, run_train
 
 CASES = {
     "unknown_group_option": (["strategy=zero4"], ["strategy/zero4", "zero3", "ddp"]),
@@ -31,6 +39,14 @@ CASES = {
     "malloc_tuning_not_bool": (["malloc_tuning=maybe"], ["malloc_tuning='maybe' is invalid", "true", "false"]),
     "callback_typo_add": (["+callbacks=grad_monitr"], ["callbacks/grad_monitr", "grad_monitor"]),
     "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr"]),
+    # a check's own arguments: its __init__'s check_args rules, read from its source before anything is imported
+    "check_arg_out_of_range": (["debug=light", "callbacks.grad_monitor.every_n_steps=-1"],
+                               ["callbacks.grad_monitor.every_n_steps=-1 is invalid; valid: an int >= 0"]),
+    "check_arg_unknown_key": (["debug=light", "+callbacks.grad_monitor.bogus=1"],
+                              ["callbacks.grad_monitor.bogus is not an option of dsdebug.callbacks.grad_monitor.GradMonitor",
+                               "valid: every_n_steps"]),
+    "check_on_error_typo": (["debug=light", "callbacks.grad_monitor.on_error=explode"],
+                            ["callbacks.grad_monitor.on_error='explode'", "warn"]),
     "missing_ds_config": (["strategy=deepspeed_json", "strategy.config=/nonexistent/ds.json"],
                           ["strategy.config", "/nonexistent/ds.json"]),
     # wrong types and ranges: caught from the composed config, before anything is imported
@@ -60,32 +76,67 @@ CASES = {
 }
 
 
-def _assert_one_line_error(proc, must_contain):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_naming_the_key(case, tmp_path, shared_cache, capsys, monkeypatch):
+    overrides, must_contain = CASES[case]
+    if case == "fp16_on_this_cpu":  # the row's CPU: no AVX512-FP16/AMX (whatever this machine has)
+        from dsdebug.config import validate
+
+        monkeypatch.setattr(validate, "fp16_supported", lambda accelerator: False)
+    assert_one_line_error(cli_error_lines(SMOKE + overrides, tmp_path, shared_cache, capsys), must_contain)
+
+
+def test_fp16_on_a_cpu_with_fp16_passes_validation(tmp_path, shared_cache, monkeypatch):
+    """The other side of row 17: where the probe finds fp16 (AVX512-FP16/AMX), 16-mixed is valid."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dsdebug.config import validate
+    from dsdebug.config.prepare import prepare
+
+    probed = []
+    monkeypatch.setattr(validate, "fp16_supported", lambda accelerator: probed.append(accelerator) or True)
+    try:
+        cfg = prepare(compose_as_hydra_main([*SMOKE, "trainer.precision=16-mixed"], tmp_path / "run", shared_cache))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert cfg.trainer.precision == "16-mixed" and probed == ["cpu"]
+
+
+# One real command line per layer: the same line as in-process, exit code 2, no traceback.
+CLI_CASES = {
+    "composition": ["strategy=zero4"],
+    "composed_config": ["trainer=ddp_sim", "trainer.devices=64"],
+    "hydra_run_dir": ["hydra.run.dir={afile}/run"],
+    "build": ["+logger.csv.bogus=1"],
+    "data_preparation": ["data=text_files", "data.source.paths={garbage}", "strategy=ddp"],
+}
+
+
+@pytest.mark.parametrize("layer", list(CLI_CASES))
+def test_command_line_prints_the_same_line_and_exits_2(layer, tmp_path, shared_cache, capsys):
+    (tmp_path / "afile").write_text("keep me\n")
+    (tmp_path / "garbage.txt").write_bytes(bytes(range(128, 256)) * 40)
+    args = SMOKE + [a.format(afile=tmp_path / "afile", garbage=tmp_path / "garbage.txt") for a in CLI_CASES[layer]]
+    proc = run_train(args, tmp_path / "logs", shared_cache)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr[-3000:]
-    for text in must_contain:
-        assert text in lines[0], (text, lines[0])
+    assert lines == cli_error_lines(args, tmp_path / "logs", shared_cache, capsys)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input_is_one_line_naming_the_key(case, tmp_path, shared_cache):
-    overrides, must_contain = CASES[case]
-    _assert_one_line_error(run_train(FAST + overrides, tmp_path, shared_cache), must_contain)
-
-
-def test_empty_data_file(tmp_path, shared_cache):
+def test_empty_data_file(tmp_path, shared_cache, capsys):
     (tmp_path / "empty.txt").write_text("")
-    proc = run_train(FAST + ["data=text_files", f"data.source.paths={tmp_path}/empty.txt"], tmp_path / "logs", shared_cache)
-    _assert_one_line_error(proc, ["empty.txt", "empty"])
+    lines = cli_error_lines(SMOKE + ["data=text_files", f"data.source.paths={tmp_path}/empty.txt"], tmp_path / "logs",
+                            shared_cache, capsys)
+    assert_one_line_error(lines, ["empty.txt", "empty"])
 
 
-def test_corpus_too_small_for_one_batch(tmp_path, shared_cache):
+def test_corpus_too_small_for_one_batch(tmp_path, shared_cache, capsys):
     (tmp_path / "tiny.txt").write_text("In the beginning God created the heaven and the earth. " * 10)
-    proc = run_train(FAST + ["data=text_files", f"data.source.paths={tmp_path}/tiny.txt", "data.vocab_size=270"],
-                     tmp_path / "logs", shared_cache)
-    _assert_one_line_error(proc, ["data.batch_size"])
+    lines = cli_error_lines(SMOKE + ["data=text_files", f"data.source.paths={tmp_path}/tiny.txt", "data.vocab_size=270"],
+                            tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, ["data.batch_size"])
 
 
 @pytest.mark.parametrize("content,must_contain", [
@@ -96,11 +147,12 @@ def test_corpus_too_small_for_one_batch(tmp_path, shared_cache):
     ('{"train_batch_size": 5, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}',
      ["train_batch_size=5 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 2 x world size 1"]),
 ], ids=["trailing_comma", "stage_7", "overlap_comm_not_bool", "top_level_list", "train_batch_size_mismatch"])
-def test_bad_ds_config_json(content, must_contain, tmp_path, shared_cache):
+def test_bad_ds_config_json(content, must_contain, tmp_path, shared_cache, capsys):
     path = tmp_path / "ds_config.json"
     path.write_text(content)
-    proc = run_train(FAST + ["strategy=deepspeed_json", f"strategy.config={path}"], tmp_path / "logs", shared_cache)
-    _assert_one_line_error(proc, [str(path)] + must_contain)
+    lines = cli_error_lines(SMOKE + ["strategy=deepspeed_json", f"strategy.config={path}"], tmp_path / "logs",
+                            shared_cache, capsys)
+    assert_one_line_error(lines, [str(path)] + must_contain)
 
 
 # -- unwritable output -------------------------------------------------------------------
@@ -109,7 +161,7 @@ def test_bad_ds_config_json(content, must_contain, tmp_path, shared_cache):
 
 
 @pytest.mark.parametrize("where", ["hydra.run.dir", "hydra.sweep.dir", "paths.log_dir", "data.cache_dir"])
-def test_output_dir_under_a_file(where, tmp_path, shared_cache):
+def test_output_dir_under_a_file(where, tmp_path, shared_cache, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me\n")
     log_dir = tmp_path / "logs"
@@ -123,8 +175,8 @@ def test_output_dir_under_a_file(where, tmp_path, shared_cache):
     else:
         args, needles = [f"data.cache_dir={afile}/cache"], [f"data.cache_dir={afile}/cache", f"{afile} is a file"]
     multirun = ["-m"] if where == "hydra.sweep.dir" else []  # Hydra's flag goes before the overrides
-    proc = run_train(multirun + FAST + args, log_dir, shared_cache)
-    _assert_one_line_error(proc, needles + ["valid: a writable directory"])
+    lines = cli_error_lines(multirun + SMOKE + args, log_dir, shared_cache, capsys)
+    assert_one_line_error(lines, needles + ["valid: a writable directory"])
     assert afile.read_text() == "keep me\n"  # nothing already there is touched
 
 
@@ -132,7 +184,7 @@ def test_output_dir_under_a_file(where, tmp_path, shared_cache):
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_config_json", "vocab_smaller_than_data"])
-def test_hf_pretrained_dir(case, tmp_path, shared_cache):
+def test_hf_pretrained_dir(case, tmp_path, shared_cache, capsys):
     model_dir = tmp_path / "model"
     if case == "missing_dir":
         needles = [f"model.net.name_or_path={model_dir}: no such directory", "save_pretrained"]
@@ -144,17 +196,17 @@ def test_hf_pretrained_dir(case, tmp_path, shared_cache):
                                                            "max_position_embeddings": 2048}))
         needles = ["data.vocab_size=4096", "vocab_size=1000", str(model_dir / "config.json"),
                    "valid: data.vocab_size<=1000"]
-    proc = run_train(FAST + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}"], tmp_path / "logs",
-                     shared_cache)
-    _assert_one_line_error(proc, needles)
+    lines = cli_error_lines(SMOKE + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}"], tmp_path / "logs",
+                            shared_cache, capsys)
+    assert_one_line_error(lines, needles)
 
 
-# -- errors found while building (after the heavy imports) ------------------------------
+# -- errors found while building (after the heavy imports: entry.build) ------------------
 
 
-def test_unknown_logger_option(tmp_path, shared_cache):
-    proc = run_train(FAST + ["+logger.csv.bogus=1"], tmp_path, shared_cache)
-    _assert_one_line_error(proc, ["logger.csv.bogus is not an option of lightning.pytorch.loggers.CSVLogger",
+def test_unknown_logger_option(tmp_path, shared_cache, capsys):
+    lines = cli_error_lines(SMOKE + ["+logger.csv.bogus=1"], tmp_path, shared_cache, capsys)
+    assert_one_line_error(lines, ["logger.csv.bogus is not an option of lightning.pytorch.loggers.CSVLogger",
                                   "valid: save_dir, name, version"])
 
 
@@ -175,19 +227,19 @@ def test_unknown_logger_option(tmp_path, shared_cache):
     (["+optim.scheduler.bogus=1"], ["optim.scheduler.bogus is not an option of dsdebug.models.optim.warmup_cosine",
                                     "warmup_ratio"]),
 ], ids=["ddp", "deepspeed", "trainer", "data", "model", "optimizer", "scheduler"])
-def test_unknown_key_of_a_built_section(overrides, must_contain, tmp_path, shared_cache):
-    _assert_one_line_error(run_train(FAST + overrides, tmp_path, shared_cache), must_contain)
+def test_unknown_key_of_a_built_section(overrides, must_contain, tmp_path, shared_cache, capsys):
+    assert_one_line_error(cli_error_lines(SMOKE + overrides, tmp_path, shared_cache, capsys), must_contain)
 
 
-def test_data_file_not_utf8(tmp_path, shared_cache):
+def test_data_file_not_utf8(tmp_path, shared_cache, capsys):
     garbage = tmp_path / "garbage.txt"
     garbage.write_bytes(bytes(range(128, 256)) * 40)  # never valid UTF-8
-    proc = run_train(FAST + ["data=text_files", f"data.source.paths={garbage}", "strategy=ddp"],
-                     tmp_path / "logs", shared_cache)
-    _assert_one_line_error(proc, [f"data file {garbage} is not valid UTF-8 (byte 0)"])
+    lines = cli_error_lines(SMOKE + ["data=text_files", f"data.source.paths={garbage}", "strategy=ddp"],
+                            tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, [f"data file {garbage} is not valid UTF-8 (byte 0)"])
 
 
-# -- in-process checks (no subprocess) --------------------------------------------------
+# -- the layers themselves ---------------------------------------------------------------
 
 
 def test_target_in_a_missing_module_lists_what_exists():
@@ -226,13 +278,13 @@ def test_global_batch_size_sets_the_per_rank_batch(monkeypatch, tmp_path):
     GlobalHydra.instance().clear()
 
 
-def test_global_batch_size_and_ds_json_batch_together(tmp_path, shared_cache):
+def test_global_batch_size_and_ds_json_batch_together(tmp_path, shared_cache, capsys):
     """A ds_config.json that fixes the batch too would fight data.global_batch_size."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
-    proc = run_train(FAST + ["strategy=deepspeed_json", f"strategy.config={ds}", "data.global_batch_size=8"],
-                     tmp_path / "logs", shared_cache)
-    _assert_one_line_error(proc, ["data.global_batch_size=8", f"strategy.config={ds}",
+    lines = cli_error_lines(SMOKE + ["strategy=deepspeed_json", f"strategy.config={ds}", "data.global_batch_size=8"],
+                            tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, ["data.global_batch_size=8", f"strategy.config={ds}",
                                   "train_micro_batch_size_per_gpu=4", "data.global_batch_size=null"])
 
 

@@ -11,7 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF, REPO
+from tests.helpers.runs import CONF, REPO
 
 GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
 # presets that write into the global package instead of a key of their own
@@ -122,3 +122,22 @@ def test_optim_config_builds_a_warmup_cosine_schedule():
 def test_callbacks_are_added_removed_and_tuned_from_the_command_line():
     cfg = _compose(["~callbacks.lr_monitor", "callbacks.model_checkpoint.every_n_train_steps=5"])
     assert "lr_monitor" not in cfg.callbacks and cfg.callbacks.model_checkpoint.every_n_train_steps == 5
+
+
+def test_smoke_experiment_is_a_short_quiet_run_that_later_overrides_beat(tmp_path):
+    """experiment=smoke (the tests' base and a user's 1-minute sanity run): a few steps on a slice, CSV logs,
+    no progress bar; what comes after it on the command line wins, logger and callbacks included."""
+    from dsdebug.config.instantiate import instantiate_callbacks
+
+    cfg = _compose(["experiment=smoke"])
+    OmegaConf.update(cfg, "paths.output_dir", str(tmp_path), force_add=True)
+    t = cfg.trainer
+    assert (t.max_steps, t.val_check_interval, t.limit_val_batches, t.log_every_n_steps) == (4, 2, 2, 1)
+    assert t.enable_progress_bar is False and cfg.data.max_tokens == 60000 and list(cfg.logger) == ["csv"]
+    names = {type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)}
+    assert "ThrottledRichProgressBar" not in names and "VerifiedModelCheckpoint" in names
+    cfg = _compose(["experiment=smoke", "logger=tensorboard", "trainer.max_steps=9", "+callbacks=rich_progress_bar",
+                    "trainer.enable_progress_bar=true"])
+    OmegaConf.update(cfg, "paths.output_dir", str(tmp_path), force_add=True)
+    assert list(cfg.logger) == ["tensorboard"] and cfg.trainer.max_steps == 9
+    assert "ThrottledRichProgressBar" in {type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)}

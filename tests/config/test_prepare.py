@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from omegaconf import open_dict
 
-from tests.conftest import CONF, FAST, REPO, TINY_NET, metrics
+from tests.helpers.runs import SMOKE, TINY_NET, compose_as_hydra_main, metrics
 
 
 def _compose(overrides: list[str], run_dir, cache):
-    """As @hydra.main hands the task function its config (cf. conftest.train_in_process)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    os.environ.setdefault("PROJECT_ROOT", str(REPO))
-    os.environ["DSDEBUG_CACHE_DIR"] = str(cache)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-    GlobalHydra.instance().clear()
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-        cfg.hydra.runtime.cwd = str(REPO)
-        cfg.hydra.job.name = "train"
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return cfg
+    """As @hydra.main hands the task function its config."""
+    return compose_as_hydra_main(overrides, run_dir, cache)
 
 
 @pytest.fixture
@@ -54,7 +34,7 @@ def test_cli_run_validates_once_on_the_way_to_fit(tmp_path, shared_cache, valida
     from dsdebug.trainer.cli import run
 
     run_dir = tmp_path / "run"
-    cfg = _compose([*FAST, *TINY_NET, "trainer.max_steps=2", "export.hf=false"], run_dir, shared_cache)
+    cfg = _compose([*SMOKE, *TINY_NET, "trainer.max_steps=2", "export.hf=false"], run_dir, shared_cache)
     batch = cfg.data.batch_size
     with open_dict(cfg):
         cfg.optim.scale_lr_base_batch_size = 2 * batch  # linear scaling: half of optim.lr
@@ -68,7 +48,7 @@ def test_prepare_refuses_a_second_call_and_train_an_unprepared_config(tmp_path, 
     from dsdebug.config.prepare import is_prepared, prepare
     from dsdebug.trainer.entry import train
 
-    cfg = _compose([*FAST, *TINY_NET], tmp_path / "run", shared_cache)
+    cfg = _compose([*SMOKE, *TINY_NET], tmp_path / "run", shared_cache)
     with pytest.raises(RuntimeError, match="needs a prepared config"):
         train(cfg)
     assert not is_prepared(cfg) and not validations
@@ -76,7 +56,7 @@ def test_prepare_refuses_a_second_call_and_train_an_unprepared_config(tmp_path, 
     with pytest.raises(RuntimeError, match="already called"):
         prepare(cfg)
     assert len(validations) == 1
-    twin = _compose([*FAST, *TINY_NET], tmp_path / "run2", shared_cache)
+    twin = _compose([*SMOKE, *TINY_NET], tmp_path / "run2", shared_cache)
     assert not is_prepared(twin)  # by identity, not by content
 
 
@@ -84,7 +64,7 @@ def test_bad_input_fails_in_prepare_before_anything_is_built(tmp_path, shared_ca
     from dsdebug.config.prepare import is_prepared, prepare
     from dsdebug.errors import ConfigError
 
-    cfg = _compose([*FAST, *TINY_NET, "optim.lr=-1"], tmp_path / "run", shared_cache)
+    cfg = _compose([*SMOKE, *TINY_NET, "optim.lr=-1"], tmp_path / "run", shared_cache)
     with pytest.raises(ConfigError, match="optim.lr must be a positive number"):
         prepare(cfg)
     assert not is_prepared(cfg) and len(validations) == 1

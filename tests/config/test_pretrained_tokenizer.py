@@ -17,8 +17,9 @@ from dsdebug.data import tokenizer as tokmod
 from dsdebug.data.corpus import KJVCorpus, TextFilesCorpus
 from dsdebug.data.datamodule import LMDataModule
 from dsdebug.errors import ConfigError
-from tests.conftest import CONF, FAST, REPO, TINY_NET, error_lines, run_train, train_in_process
-from tests.tokenizer_families import FAMILIES, build_model, build_tokenizer, save_model_dir
+from tests.helpers.bad_input import assert_one_line_error, cli_error_lines
+from tests.helpers.runs import CONF, REPO, SMOKE, TINY_NET, train_in_process
+from tests.helpers.tokenizer_families import FAMILIES, build_model, build_tokenizer, save_model_dir
 
 SAMPLES = ["In the beginning God created the heaven and the earth.",
            "  Odd  spacing,\ttabs and ünïcödé 🙂 日本語のテキスト",
@@ -58,7 +59,7 @@ def _tokenizer(path):
 def test_pretrained_dir_trains_on_its_own_tokenizer_and_exports_it(family, model_dirs, corpus_dir, texts,
                                                                    tmp_path):
     model_dir, cache = model_dirs[family], tmp_path / "cache"
-    overrides = [o for o in FAST if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
+    overrides = SMOKE + [
         "model=hf_pretrained", f"model.net.name_or_path={model_dir}", "data=text_files",
         f"data.source.paths={corpus_dir}", "strategy=ddp", "trainer.max_steps=2", "trainer.val_check_interval=2",
         "export.fp32=true", "export.hf=true"]
@@ -157,7 +158,7 @@ def test_hub_id_tokenizer_from_the_local_hf_cache(model_dirs, corpus_dir, tmp_pa
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    overrides = [o for o in FAST if not o.startswith("trainer.max_steps")] + [
+    overrides = SMOKE + [
         *TINY_NET, "+model.tokenizer=fake-org/gpt2-tok", "data=text_files", f"data.source.paths={corpus_dir}",
         "strategy=ddp", "trainer.max_steps=1", "export.hf=false"]
     m = train_in_process(overrides, tmp_path / "run", tmp_path / "cache")
@@ -244,7 +245,7 @@ def _config_only_dir(path: Path, family: str, tokenizer, **config) -> Path:
 @pytest.mark.parametrize("case", ["tokenizer_over_model_vocab", "eos_id_disagrees", "no_eos",
                                   "vocab_size_contradicts", "tokenizer_dir_without_tokenizer",
                                   "tokenizer_dir_missing", "tokenizer_json_garbled"])
-def test_tokenizer_that_does_not_fit_the_model_is_one_line(case, model_dirs, texts, tmp_path, shared_cache):
+def test_tokenizer_that_does_not_fit_the_model_is_one_line(case, model_dirs, texts, tmp_path, shared_cache, capsys):
     from transformers import PreTrainedTokenizerFast
 
     gpt2 = build_tokenizer("gpt2", texts[:4])
@@ -279,10 +280,6 @@ def test_tokenizer_that_does_not_fit_the_model_is_one_line(case, model_dirs, tex
         shutil.copytree(model_dirs["gpt2"], model_dir)
         (model_dir / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0,}}}')
         needles = [f"model.net.name_or_path={model_dir}: {model_dir / 'tokenizer.json'} is unreadable or not JSON"]
-    proc = run_train(FAST + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}", *extra],
-                     tmp_path / "logs", shared_cache)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    (line,) = error_lines(proc)
-    for needle in needles:
-        assert needle in line, (needle, line)
+    lines = cli_error_lines(SMOKE + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}", *extra],
+                            tmp_path / "logs", shared_cache, capsys)
+    assert_one_line_error(lines, needles)

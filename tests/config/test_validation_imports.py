@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONF, REPO
+from tests.helpers.runs import CONF, REPO
 
 HEAVY = ("torch", "lightning", "pytorch_lightning", "deepspeed", "transformers")
 

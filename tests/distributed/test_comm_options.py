@@ -18,8 +18,9 @@ from hydra.utils import instantiate
 from dsdebug.distributed.timing import CommTracker, payload_bytes
 from dsdebug.errors import ConfigError
 from dsdebug.trainer.comm_options import build_ddp_hook
-from tests.conftest import TINY_NET, assert_ok, metrics, only_run_dir, run_train
-from tests.shared_runs import TWO_PROC, read_findings
+from tests.helpers.runs import TINY_NET, assert_ok, metrics, only_run_dir, run_train
+from tests.helpers.findings import read_findings
+from tests.helpers.shared_runs import TWO_PROC
 from tests.config.test_configs import _compose
 
 
@@ -143,7 +144,7 @@ def test_bucket_bytes_are_counted_from_the_registered_hook(one_rank_group, hook,
 
 @pytest.mark.slow
 def test_fp16_comm_halves_gradient_bytes_in_a_2_process_run(tmp_path, shared_cache):
-    from tests.planted_data import HealthyTinyLM
+    from tests.planted.data import HealthyTinyLM
 
     proc = run_train([*TWO_PROC, *TINY_NET, "strategy=ddp_fp16_comm", "+callbacks=comm_debug",
                       "callbacks.comm_debug.hang_timeout_s=0"], tmp_path, shared_cache)

@@ -1,9 +1,9 @@
 """Two CPU processes (gloo) for every strategy; reproducibility and exact resume on top.
 
-Each strategy run trains 6 steps with checkpoints at 3 and 6 (tests/shared_runs.py). The ddp and
+Each strategy run trains 6 steps with checkpoints at 3 and 6 (tests/helpers/shared_runs.py). The ddp and
 zero3 runs are the shared healthy debug=full runs, so learning and exact resume are also shown
-with every check on; zero2_offload is a job of the shared sweep. Reproducibility re-runs ZeRO-2
-(the sweep's zero2 job) and compares the loss curve bit for bit; the zero1 run uses another
+with every check on; zero2 and zero2_offload are jobs of the shared sweep. Reproducibility re-runs
+the ZeRO-2 job's command line as a plain run and compares the loss curve bit for bit; the zero1 run uses another
 seed and must start from another loss. Resume restarts ZeRO-3 from its step-3 checkpoint and
 must reproduce steps 3-5 of the uninterrupted run.
 """
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import assert_ok, metrics, only_run_dir, run_train, train_losses
-from tests.shared_runs import ENV, strategy_args, strategy_run, sweep_job
+from tests.helpers.runs import assert_ok, metrics, only_run_dir, run_train, train_losses
+from tests.helpers.shared_runs import ENV, strategy_args, strategy_run, zero2_rerun
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_trains_with_two_cpu_processes(strategy, tmp_path_factory, shared_cache):
     run_dir, proc = strategy_run(strategy, tmp_path_factory, shared_cache)
@@ -46,9 +45,9 @@ def test_strategy_trains_with_two_cpu_processes(strategy, tmp_path_factory, shar
 
 @pytest.mark.slow
 def test_same_seed_same_config_gives_identical_loss_curve(tmp_path_factory, shared_cache):
+    # the zero2 strategy run is the sweep's job; the re-run: the same command line as a plain run
     first, _ = strategy_run("zero2", tmp_path_factory, shared_cache)
-    # the re-run: the sweep's zero2 job, the same command line run as a multirun job
-    second = sweep_job("zero2", tmp_path_factory, shared_cache)
+    second, _ = zero2_rerun(tmp_path_factory, shared_cache)
     assert sorted(train_losses(second)) == list(range(6))
     assert train_losses(first) == train_losses(second)  # bitwise: floats compare exactly
     # another seed (the zero1 run): another init and data order, so the loss differs before

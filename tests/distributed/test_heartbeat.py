@@ -139,7 +139,7 @@ print("not reached", flush=True)
 
 
 def test_sigterm_is_held_while_the_rank_fails_and_default_otherwise():
-    from tests.conftest import REPO
+    from tests.helpers.runs import REPO
 
     proc = subprocess.run([sys.executable, "-c", GUARD], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["held"], proc.stdout + proc.stderr[-2000:]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 
 def _env(cache, **extra) -> dict:
@@ -31,6 +31,7 @@ def _ours(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: trainer.devices")]
 
 
+@pytest.mark.slow  # a real launcher; the same lines in-process: test_a_value_against_the_launchers_world_is_one_line
 def test_torchrun_one_node_with_contradicting_devices_is_one_line(tmp_path, shared_cache):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(_free_port())]
@@ -44,6 +45,7 @@ def test_torchrun_one_node_with_contradicting_devices_is_one_line(tmp_path, shar
     assert not (tmp_path / "train").exists() or not any((tmp_path / "train").rglob("*.ckpt"))
 
 
+@pytest.mark.slow  # a real launcher; the same lines in-process: test_a_value_against_the_launchers_world_is_one_line
 def test_torchrun_two_nodes_with_contradicting_num_nodes_is_one_line(tmp_path, shared_cache):
     port = _free_port()
     nodes = []
@@ -62,6 +64,7 @@ def test_torchrun_two_nodes_with_contradicting_num_nodes_is_one_line(tmp_path, s
     assert _ours(outs[1][1]) == []  # rank 1 (node 1) stays quiet
 
 
+@pytest.mark.slow  # the command line under srun's variables; in-process: test_a_value_against_the_launchers_world_is_one_line
 def test_srun_variables_with_contradicting_num_nodes_are_one_line(tmp_path, shared_cache):
     slurm = {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0",
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42",
@@ -134,3 +137,40 @@ def test_slurm_run_id_is_the_job_or_array_task():
     assert slurm_run_id({"SLURM_JOB_ID": "123"}) == "slurm-123"
     assert slurm_run_id({"SLURM_JOB_ID": "124", "SLURM_ARRAY_JOB_ID": "120", "SLURM_ARRAY_TASK_ID": "4"}) == "slurm-120_4"
     assert slurm_run_id({}) is None
+
+
+# docs/bad_inputs.md rows 73-75 in-process (the real launchers above: make test-all): rank 0's env as each
+# launcher sets it, and a config value against it
+TORCHRUN_1X2_RANK0 = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                      "LOCAL_WORLD_SIZE": "2"}
+TORCHRUN_2X1_RANK0 = {**TORCHRUN_1X2_RANK0, "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+SRUN_2X2_RANK0 = {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0",
+                  "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42",
+                  "SLURM_NODELIST": "localhost"}
+
+
+@pytest.mark.parametrize("env, overrides, line", [
+    (TORCHRUN_1X2_RANK0, ["trainer.devices=1"],
+     "error: trainer.devices=1 x trainer.num_nodes=1 does not match the processes torchrun started (WORLD_SIZE=2, "
+     "LOCAL_WORLD_SIZE=2); valid: trainer.devices=2 trainer.num_nodes=1 (or leave both out: the launcher's world "
+     "is used)"),
+    (TORCHRUN_2X1_RANK0, ["trainer.num_nodes=1"],
+     "error: trainer.devices=1 x trainer.num_nodes=1 does not match the processes torchrun started (WORLD_SIZE=2, "
+     "LOCAL_WORLD_SIZE=1); valid: trainer.devices=1 trainer.num_nodes=2 (or leave both out: the launcher's world "
+     "is used)"),
+    (SRUN_2X2_RANK0, ["trainer.devices=2", "trainer.num_nodes=1"],
+     "error: trainer.devices=2 x trainer.num_nodes=1 does not match the processes srun started (SLURM_NTASKS=4, "
+     "SLURM_NNODES=2); valid: trainer.devices=2 trainer.num_nodes=2 (or leave both out: the launcher's world is "
+     "used)"),
+], ids=["torchrun_one_node_devices", "torchrun_two_nodes_num_nodes", "srun_two_nodes_num_nodes"])
+def test_a_value_against_the_launchers_world_is_one_line(env, overrides, line, tmp_path, shared_cache, capsys,
+                                                          monkeypatch):
+    from tests.helpers.bad_input import cli_error_lines
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli_error_lines(overrides, tmp_path, shared_cache, capsys) == [line]

@@ -16,19 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, TINY_NET
-from tests.shared_runs import healthy_run
+from tests.helpers.runs import REPO, SMOKE, TINY_NET
+from tests.helpers.shared_runs import healthy_run
 
 pytestmark = pytest.mark.slow
 
 HOST = socket.gethostname()
 SECRET = "hunter2-do-not-print"
-ARGS = [*[a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval",
-                                                                    "trainer.limit_val_batches"))], *TINY_NET,
+ARGS = [*SMOKE, *TINY_NET,
         "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "strategy=ddp",
         "export.hf=false", "export.fp32=false", "trainer.devices=1", "trainer.num_nodes=2",
         "+callbacks=log_sync", "callbacks.log_sync.every_n_steps=2",
-        "+callbacks.plant._target_=tests.planted_ranks.ReportOnRank"]  # an info finding on rank 1 only
+        "+callbacks.plant._target_=tests.planted.ranks.ReportOnRank"]  # an info finding on rank 1 only
 NODE_ENV = [{"OMP_NUM_THREADS": "1"},
             {"OMP_NUM_THREADS": "2", "NCCL_IB_DISABLE": "1", "NCCL_TEST_PASSWORD": SECRET}]
 

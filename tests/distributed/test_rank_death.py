@@ -12,10 +12,12 @@ import time
 import pytest
 
 from dsdebug.checkpoint.integrity import verify_checkpoint
-from tests.conftest import FAST, only_run_dir
-from tests.procs import alive, output, rank_pids, start_train, tree, wait_for
+from tests.helpers.runs import SMOKE, only_run_dir
+from tests.helpers.procs import alive, output, rank_pids, start_train, tree, wait_for
 
-ARGS = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
+pytestmark = pytest.mark.slow  # rank death: a real 2-process run killed mid-step
+
+ARGS = SMOKE + [
     "trainer=ddp_sim",
     "trainer.max_steps=500",
     "trainer.val_check_interval=100",

@@ -26,17 +26,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY_NET
-from tests.planted_comm import read_findings
+from tests.helpers.runs import REPO, SMOKE, TINY_NET
+from tests.helpers.findings import read_findings
 
 pytestmark = pytest.mark.slow
 
-BASE = TINY_NET + [
+BASE = SMOKE + TINY_NET + [
     "strategy=ddp", "trainer.max_steps=50", "trainer.val_check_interval=100", "trainer.limit_val_batches=1",
-    "trainer.enable_progress_bar=false", "~callbacks.rich_progress_bar", "data.max_tokens=60000", "logger=csv",
     "export.hf=false", "export.fp32=false",
 ]
-KILL = "+callbacks.kill._target_=tests.planted_comm.SigkillAtStep +callbacks.kill.step=3".split()
+KILL = "+callbacks.kill._target_=tests.planted.comm.SigkillAtStep +callbacks.kill.step=3".split()
 HOST = socket.gethostname()
 
 
@@ -91,7 +90,7 @@ def _died(run_dir: Path) -> list[dict]:
     return [f for f in read_findings(run_dir) if f["code"] == "rank_died"]
 
 
-STUCK_RANK_0 = ["+callbacks.stuck._target_=tests.planted_comm.SleepOnRank", "+callbacks.stuck.rank=0",
+STUCK_RANK_0 = ["+callbacks.stuck._target_=tests.planted.comm.SleepOnRank", "+callbacks.stuck.rank=0",
                 "+callbacks.stuck.step=3", "+callbacks.stuck.seconds=600"]
 
 
@@ -135,7 +134,7 @@ def test_two_nodes_sigkill_is_named_by_the_survivor_in_its_own_run_dir(victim, t
 
 def test_hang_watchdog_across_nodes_without_a_shared_run_dir(tmp_path, shared_cache):
     args = BASE + ["+callbacks=comm_debug", "callbacks.comm_debug.hang_timeout_s=8", "callbacks.comm_debug.hang_poll_s=1",
-                   "+callbacks.plant._target_=tests.planted_comm.SleepOnRank", "+callbacks.plant.rank=1",
+                   "+callbacks.plant._target_=tests.planted.comm.SleepOnRank", "+callbacks.plant.rank=1",
                    "+callbacks.plant.step=2", "+callbacks.plant.seconds=600"]
     started = _torchrun(tmp_path, shared_cache, nodes=2, per_node=1, args=args)
     codes = _finish(started, tmp_path)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.procs import wait_for
+from tests.helpers.runs import REPO
+from tests.helpers.procs import wait_for
 
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
 

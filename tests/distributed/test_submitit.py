@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from dsdebug.trainer.cli import precheck_overrides
-from tests import fake_slurm
-from tests.conftest import CONF, FAST, TINY_NET, assert_ok, run_train
-from tests.planted_comm import read_findings, wandb_records
+from tests.helpers import fake_slurm
+from tests.helpers.runs import CONF, SMOKE, TINY_NET, assert_ok, run_train
+from tests.helpers.findings import read_findings, wandb_records
 
-JOB = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval", "logger="))] + [
+JOB = SMOKE + [
     "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.limit_val_batches=1", "logger=wandb",
     "export.hf=false", "export.fp32=false", *TINY_NET,
 ]
@@ -32,7 +32,7 @@ def _sweep_dir(log_dir: Path) -> Path:
 def test_submitit_local_sweep_with_a_preempted_and_requeued_job(tmp_path, shared_cache):
     # job 0 is signalled at step 2 as submitit's controller signals a job near its time limit;
     # job 1 runs straight through. Both are submitit processes; W&B runs offline.
-    args = ["-m", "hydra/launcher=submitit_local", *JOB, "+callbacks.plant._target_=tests.planted_submitit.SignalJobAtStep",
+    args = ["-m", "hydra/launcher=submitit_local", *JOB, "+callbacks.plant._target_=tests.planted.submitit.SignalJobAtStep",
             "+callbacks.plant.step=2,-1"]
     proc = run_train(args, tmp_path, shared_cache, timeout=900, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert_ok(proc)
@@ -70,6 +70,7 @@ def test_submitit_local_sweep_with_a_preempted_and_requeued_job(tmp_path, shared
     assert names == {"0": {f"train-{sweep.name}-0"}, "1": {f"train-{sweep.name}-1"}}, names
 
 
+@pytest.mark.slow  # a launcher (submitit's sbatch call)
 def test_submitit_slurm_submits_one_job_array_of_multi_process_jobs(tmp_path, shared_cache):
     # a typical sweep: 3 learning rates, concurrent: 3 -> one array of 4 jobs, 3 at a time; each
     # job 2 nodes x 2 processes (its SLURM tasks are the ranks of one run)

@@ -1,5 +1,5 @@
 """Hydra multirun with 2-process DeepSpeed jobs and failing jobs (one sweep, shared with
-tests/distributed/test_distributed.py: tests/shared_runs.py), and an Optuna sweep."""
+tests/distributed/test_distributed.py: tests/helpers/shared_runs.py), and an Optuna sweep."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_NET, run_train
-from tests.shared_runs import sweep_job, sweep_run
+from tests.helpers.runs import SMOKE, TINY_NET, run_train
+from tests.helpers.shared_runs import sweep_job, sweep_run
 
-QUICK = [
-    "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-    "trainer.enable_progress_bar=false", "~callbacks.rich_progress_bar", "data.max_tokens=60000",
-    "logger=csv", "export.hf=false", "export.fp32=false",
-]
+QUICK = [*SMOKE, "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+         "export.hf=false", "export.fp32=false"]
 
 
 def _sweep_dir(log_dir: Path) -> Path:
@@ -24,9 +21,8 @@ def _sweep_dir(log_dir: Path) -> Path:
     return dirs[0]
 
 
-@pytest.mark.slow
 def test_multirun_of_two_process_deepspeed_jobs(tmp_path_factory, shared_cache):
-    log_dir, proc = sweep_run(tmp_path_factory, shared_cache)  # tests/shared_runs.py
+    log_dir, proc = sweep_run(tmp_path_factory, shared_cache)  # tests/helpers/shared_runs.py
     sweep = _sweep_dir(log_dir)
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1", "2", "3"]
@@ -42,7 +38,6 @@ def test_multirun_of_two_process_deepspeed_jobs(tmp_path_factory, shared_cache):
     assert "DeepSpeedCPUAdam" not in (trained["zero2"] / "train.log").read_text()
 
 
-@pytest.mark.slow
 def test_a_failed_job_does_not_stop_the_sweep(tmp_path_factory, shared_cache):
     log_dir, proc = sweep_run(tmp_path_factory, shared_cache)  # jobs with optim.lr=-1 fail
     assert proc.returncode == 1, proc.stderr[-5000:]  # the sweep reports the failure ...

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tests.conftest import FAST, train_in_process
+from tests.helpers.runs import SMOKE, train_in_process
 
 
 def test_own_network_with_gradient_accumulation_under_ddp(tmp_path, shared_cache):
-    overrides = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval"))] + [
-        "model.net._target_=tests.nets.TinyLM", "strategy=ddp", "trainer.accumulate_grad_batches=2",
+    overrides = SMOKE + [
+        "model.net._target_=tests.helpers.nets.TinyLM", "strategy=ddp", "trainer.accumulate_grad_batches=2",
         "trainer.max_steps=6", "trainer.val_check_interval=12", "optim.lr=1e-2", "export.hf=false"]
     m = train_in_process(overrides, tmp_path / "run", shared_cache)
     assert m["global_step"] == 6  # optimizer steps: 12 batches with accumulation 2

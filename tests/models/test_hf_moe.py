@@ -30,7 +30,7 @@ from transformers import (
 from dsdebug.errors import ConfigError
 from dsdebug.models.deepseek import build_deepseek_v3
 from dsdebug.models.lm_module import CausalLMModule
-from tests.conftest import FAST, train_in_process
+from tests.helpers.runs import SMOKE, train_in_process
 
 VOCAB, E, K = 4096, 4, 2
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -149,7 +149,7 @@ def test_deepseek_keeps_the_projects_loss_and_dense_models_get_nothing():
 def test_hf_moe_run_logs_balance_loss_and_load_heatmap(family, tmp_path, shared_cache):
     model_dir = tmp_path / family
     _net(family).save_pretrained(model_dir)
-    overrides = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
+    overrides = SMOKE + [
         "model=hf_pretrained", f"model.net.name_or_path={model_dir}", f"data.vocab_size={VOCAB}",
         "trainer.max_steps=2", "trainer.limit_val_batches=1", "data.max_tokens=20000",
         "export.fp32=false", "export.hf=false"]

@@ -5,13 +5,12 @@ secrets never reach them; a dashboard that fails does not stop a run."""
 from __future__ import annotations
 
 import json
-import struct
-from pathlib import Path
 
 from dsdebug.findings.channel import Finding, FindingsChannel
 from dsdebug.findings.secrets import redact_text
 from dsdebug.findings.sinks import attach_dashboards
-from tests.conftest import FAST, TINY_NET, assert_ok, only_run_dir, run_train
+from tests.helpers.findings import wandb_records
+from tests.helpers.runs import SMOKE, TINY_NET, assert_ok, only_run_dir, run_train
 
 
 class _Writer:
@@ -93,37 +92,12 @@ def test_redact_text():
     assert "data.max_tokens=5" in text and "tokenizer=x" in text
 
 
-def _wandb_records(path: Path) -> list:
-    """The records of a W&B ``.wandb`` run file (LevelDB log format: 32 KiB blocks of
-    checksum/length/type-framed chunks, each record one protobuf ``Record``); wandb 0.31 reads
-    them in its Go core only."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, out, buf = path.read_bytes(), [], b""
-    assert data[:4] == b":W&B"
-    pos, block = 7, 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
-        if left < 7 or (kind == 0 and length == 0):
-            pos += left  # block trailer / padding
-            continue
-        buf += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST chunk
-            record = pb.Record()
-            record.ParseFromString(buf)
-            out.append(record)
-            buf = b""
-    return out
-
-
 def test_planted_nan_reaches_tensorboard_and_wandb(tmp_path, shared_cache):
     """One 1-process run, logger=many (CSV, TensorBoard, W&B offline), a transient NaN at step 2."""
-    args = [a for a in FAST if a != "logger=csv"] + [
+    args = SMOKE + [
         *TINY_NET, "logger=many", "trainer.max_steps=4", "trainer.val_check_interval=100", "export.fp32=false",
         "export.hf=false", "+callbacks=nan_triage", "callbacks.nan_triage.on_error=skip",
-        "+callbacks.planted._target_=tests.planted_nan.NaNOutput", "+callbacks.planted.module=mlp.2",
+        "+callbacks.planted._target_=tests.planted.nan.NaNOutput", "+callbacks.planted.module=mlp.2",
         "+callbacks.planted.step=2", "+callbacks.planted.calls=1"]
     proc = run_train(args, tmp_path, shared_cache, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true",
                                                       "WANDB_DIR": str(tmp_path / "wandb_dir")})
@@ -143,7 +117,7 @@ def test_planted_nan_reaches_tensorboard_and_wandb(tmp_path, shared_cache):
     assert any(step == 2 and "`nan_triage/nan_transient` step 2, rank 0" in text for step, text in texts), texts
 
     [wandb_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    alerts = [r.alert for r in _wandb_records(wandb_file) if r.WhichOneof("record_type") == "alert"]
+    alerts = [r.alert for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "alert"]
     assert sorted((a.title, a.level) for a in alerts) == [("dsdebug advisor/loss_diverging", "ERROR"),
                                                           ("dsdebug nan_triage/nan_transient", "ERROR")]
     assert any("`nan_triage/nan_transient` step 2, rank 0" in a.text for a in alerts)

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from dsdebug.report import rules
-from dsdebug.report.history import HistoryLogger, read_history
+from dsdebug.report.history import HistoryLogger
+from dsdebug.report.load import read_history
 from dsdebug.report.load import RunData, load_run
 
 CONFIG = {"trainer": {"max_steps": 100, "accelerator": "cpu", "precision": "32-true"},

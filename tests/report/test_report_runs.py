@@ -11,9 +11,10 @@ import signal
 
 import pytest
 
-from tests.conftest import FAST, TINY_NET, only_run_dir, run_train
-from tests.procs import start_train, wait_for
-from tests.shared_runs import healthy_run, planted_ddp_run, read_findings
+from tests.helpers.runs import SMOKE, TINY_NET, only_run_dir, run_train
+from tests.helpers.procs import start_train, wait_for
+from tests.helpers.findings import read_findings
+from tests.helpers.shared_runs import healthy_run, planted_ddp_run
 from tests.report.test_report_render import data_uri_pngs, parse
 
 
@@ -52,8 +53,8 @@ def test_planted_run_report(tmp_path_factory, shared_cache):
 
 
 def test_crashed_run_report(tmp_path, shared_cache):
-    args = FAST + TINY_NET + ["export.fp32=false", "export.hf=false",
-                              "+callbacks.plant._target_=tests.planted_comm.RaiseAtStep", "+callbacks.plant.step=2"]
+    args = SMOKE + TINY_NET + ["export.fp32=false", "export.hf=false",
+                              "+callbacks.plant._target_=tests.planted.comm.RaiseAtStep", "+callbacks.plant.step=2"]
     proc = run_train(args, tmp_path, shared_cache)
     assert proc.returncode == 1
     run_dir = only_run_dir(tmp_path)
@@ -63,8 +64,9 @@ def test_crashed_run_report(tmp_path, shared_cache):
     assert "planted crash at step 2" in text and "crashed" in text
 
 
+@pytest.mark.slow  # a real run interrupted with SIGINT
 def test_ctrl_c_run_report(tmp_path, shared_cache):
-    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + TINY_NET + [
+    args = SMOKE + TINY_NET + [
         "trainer.max_steps=100000", "export.fp32=false", "export.hf=false"]
     # a shell's background job inherits SIGINT ignored, and then Python installs no Ctrl-C handler:
     # give the run the terminal's default, as for a user at a prompt

@@ -1,6 +1,6 @@
 """Gradient accumulation k x b gives the gradients and the update of one batch of k*b, under DDP and
 every ZeRO stage (with and without CPU offload, and from a user's ds_config.json), at 1 and 2
-ranks; and the grad_scale check names a wrong scale. The fits run in tests/accum_equivalence.py:
+ranks; and the grad_scale check names a wrong scale. The fits run in tests/helpers/accum_equivalence.py:
 one process group per world size fits every strategy in turn (the process start is paid once)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from tests.accum_equivalence import K, STRATEGIES
-from tests.conftest import REPO
+from tests.helpers.accum_equivalence import K, STRATEGIES
+from tests.helpers.runs import REPO
 
 _results: dict[tuple, dict] = {}
 
@@ -25,7 +25,7 @@ def equivalence(tmp_path_factory, cache, devices: int, *extra: str) -> dict:
         env = {**os.environ, "DSDEBUG_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
         for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
             env.pop(var, None)
-        proc = subprocess.run([sys.executable, str(REPO / "tests" / "accum_equivalence.py"), "--devices",
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "accum_equivalence.py"), "--devices",
                                str(devices), "--out", str(out), *extra], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -72,7 +72,6 @@ def test_grad_scale_check_names_double_scaling(tmp_path_factory, shared_cache):
     assert "scale_wrt_gas=False" in finding["advice"]
 
 
-@pytest.mark.slow
 def test_grad_scale_check_names_engine_accumulation_mismatch(tmp_path_factory, shared_cache):
     """Planted: the engine accumulates over 2 micro-batches while Lightning accumulates 4."""
     planted = equivalence(tmp_path_factory, shared_cache, 1, "--strategies", "zero2", "--variants", "accum",

@@ -20,8 +20,8 @@ import pytest
 
 from dsdebug.distributed import console
 from dsdebug.trainer.progress import ThrottledRichProgressBar
-from tests.conftest import SMALL_DEEPSEEK, assert_ok, run_train
-from tests.shared_runs import healthy_run
+from tests.helpers.runs import SMALL_DEEPSEEK, assert_ok, run_train
+from tests.helpers.shared_runs import healthy_run
 
 PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
 _BAR_METRIC = re.compile(r"^[\w/.\- ]+: [-+\w.]+$")
@@ -110,7 +110,6 @@ def test_default_run_console_prints_each_line_once(tmp_path, shared_cache):
     assert "Epoch 0" in proc.stdout + proc.stderr  # the bar was there
 
 
-@pytest.mark.slow
 def test_two_process_console_prints_each_line_once(tmp_path_factory, shared_cache):
     """The shared healthy 2-process DDP run (debug=full): rank 1's lines too."""
     run_dir, proc = healthy_run("ddp", tmp_path_factory, shared_cache)

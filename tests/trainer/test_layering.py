@@ -10,7 +10,7 @@ import ast
 import shutil
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 LAYERS = ["errors", "findings", "report", "models", "data", "distributed", "config", "checkpoint", "callbacks", "trainer",
           "train"]

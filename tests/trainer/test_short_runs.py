@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import FAST, TINY_NET, train_in_process
+from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
 
 
 def test_short_run_logs_and_validates_its_last_step(tmp_path, shared_cache):
     # 5 optimizer steps of 2 micro-batches; validation every 3 steps (6 batches), logging every 10:
     # Lightning alone would log no train row and validate at step 3 only
-    overrides = [a for a in FAST if not a.startswith(("trainer.max_steps", "trainer.val_check_interval",
-                                                      "trainer.log_every_n_steps"))] + TINY_NET + [
+    overrides = SMOKE + TINY_NET + [
         "trainer.max_steps=5", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=6",
         "trainer.log_every_n_steps=10", "trainer.limit_val_batches=1", "data.max_tokens=20000",
         "export.fp32=false", "export.hf=false"]

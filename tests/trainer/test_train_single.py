@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.conftest import FAST, assert_ok, metrics, only_run_dir, run_dirs, run_train, train_losses
+from tests.helpers.runs import SMOKE, assert_ok, metrics, only_run_dir, run_dirs, run_train, train_in_process, train_losses
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, shared_cache):
     """The default config (ZeRO-2, tiny DeepSeek-V3, KJV), a few steps, TensorBoard + CSV."""
     log_dir = tmp_path_factory.mktemp("default")
-    args = [a for a in FAST if not a.startswith("logger=")] + [
+    args = SMOKE + [
         "logger=many", "~logger.wandb", "trainer.max_steps=8", "trainer.val_check_interval=8",
         "callbacks.model_checkpoint.every_n_train_steps=4",
     ]
@@ -67,10 +64,9 @@ def test_exports_reload_with_identical_outputs(default_run):
 
 def test_resume_latest_continues_from_the_newest_checkpoint(default_run, shared_cache):
     log_dir, first_dir, _ = default_run
-    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
-        "resume=latest", "trainer.max_steps=10", "export.fp32=false", "export.hf=false"]
-    proc = run_train(args, log_dir, shared_cache)
-    assert_ok(proc)
+    args = SMOKE + [
+        "resume=latest", "trainer.max_steps=10", "export.fp32=false", "export.hf=false", f"paths.log_dir={log_dir}"]
+    train_in_process(args, log_dir / "train" / "runs" / "resumed", shared_cache)
     second = [d for d in run_dirs(log_dir) if d != first_dir]
     assert len(second) == 1
     m = metrics(second[0])
@@ -89,7 +85,7 @@ def small_hf_run(tmp_path_factory, shared_cache):
     model_dir, cwd = root / "tiny_model", root / "cwd"
     build_deepseek_v3(vocab_size=4096, hidden_size=64, num_hidden_layers=2).save_pretrained(model_dir)
     cwd.mkdir()
-    args = [a for a in FAST if not a.startswith("logger=")] + [
+    args = SMOKE + [
         "logger=many", "~logger.tensorboard", "model=hf_pretrained", f"model.net.name_or_path={model_dir}",
         "trainer.precision=bf16-mixed", "trainer.max_steps=2", "export.hf=false"]
     proc = run_train(args, root / "logs", shared_cache, env={"WANDB_MODE": "offline", "WANDB_API_KEY": "x" * 40},

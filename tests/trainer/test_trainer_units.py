@@ -15,7 +15,7 @@ from dsdebug.trainer.cli import find_config_error
 from dsdebug.distributed.launcher import hydra_child_command
 from dsdebug.models.optim import param_groups, scaled_lr
 from dsdebug.findings.secrets import redact
-from tests.conftest import CONF, REPO
+from tests.helpers.runs import CONF, REPO
 
 
 def test_child_rank_command_uses_this_jobs_overrides_not_argv(monkeypatch, tmp_path):

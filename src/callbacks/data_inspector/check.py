@@ -52,7 +52,8 @@ Artifacts (``<run_dir>/data_inspector/``): ``first_batch_rank<r>.json`` (+ ``.pt
 | ``labels_all_ignored`` | error | every label is the ignore index (-100): no loss signal |
 | ``workers`` / ``workers_unseeded`` | info / warning | how dataloader workers are seeded |
 
-Metrics: none.
+Metrics: none. Resume: nothing is carried over (``state_attrs`` is empty): each process records and
+checks its own data stream from its first batch.
 """
 
 from __future__ import annotations
@@ -60,15 +61,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsdebug.callbacks.data_inspector.dataset_checks import DatasetChecks, _loader, _module_shifts
-from dsdebug.callbacks.data_inspector.fingerprint import (dataset_samples, find_overlap, fingerprint, input_ids_of,  # noqa: F401
-                                            label_pattern, sample_hashes, window_hashes)
+from dsdebug.callbacks.data_inspector.fingerprint import (dataset_samples, fingerprint, input_ids_of, label_pattern,
+                                                          sample_hashes)
+from dsdebug.config.args import boolean, integer, number, optional, string
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
@@ -78,26 +79,24 @@ log = logging.getLogger(__name__)
 
 class DataInspector(DatasetChecks, DebugCallback):
     name = "data_inspector"
+    state_attrs = ()  # first batch, data order and duplicate checks describe this process's data stream
 
     def __init__(self, every_n_steps: int = 10, show_sequences: int = 2, max_chars: int = 300,
                  order_batches: int = 32, compare_with: str | None = None, check_overlap: bool = True,
                  overlap_ngram: int = 32, overlap_warn_fraction: float = 0.01, overlap_max_tokens: int = 5_000_000,
                  on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, low in (("every_n_steps", every_n_steps, 1), ("show_sequences", show_sequences, 0),
-                                ("max_chars", max_chars, 1), ("order_batches", order_batches, 0),
-                                ("overlap_ngram", overlap_ngram, 0), ("overlap_max_tokens", overlap_max_tokens, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"callbacks.data_inspector.{key}={value!r} is invalid; valid: an int >= {low}")
-        if not isinstance(check_overlap, bool):
-            raise ConfigError(f"callbacks.data_inspector.check_overlap={check_overlap!r} is invalid; "
-                              "valid: true, false")
-        if not isinstance(overlap_warn_fraction, (int, float)) or not 0 <= overlap_warn_fraction <= 1:
-            raise ConfigError(f"callbacks.data_inspector.overlap_warn_fraction={overlap_warn_fraction!r} is invalid; "
-                              "valid: a number in [0, 1]")
-        if compare_with is not None and not isinstance(compare_with, str):
-            raise ConfigError(f"callbacks.data_inspector.compare_with={compare_with!r} is invalid; "
-                              "valid: null, latest, <run_dir>")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(1)),
+            show_sequences=(show_sequences, integer(0)),
+            max_chars=(max_chars, integer(1)),
+            order_batches=(order_batches, integer(0)),
+            overlap_ngram=(overlap_ngram, integer(0)),
+            overlap_max_tokens=(overlap_max_tokens, integer(1)),
+            check_overlap=(check_overlap, boolean()),
+            overlap_warn_fraction=(overlap_warn_fraction, number(0, 1)),
+            compare_with=(compare_with, optional(string("latest, <run_dir>"))),
+        )
         if compare_with not in (None, "latest") and not Path(compare_with).is_dir():
             raise ConfigError(f"callbacks.data_inspector.compare_with={compare_with!r}: no such run dir; valid: null, "
                               "latest, <run_dir>")

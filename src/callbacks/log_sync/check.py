@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks.log_sync.timeline import MERGED, STATS, TIMELINE, append_records, write_merged  # noqa: F401
+from dsdebug.callbacks.log_sync.timeline import STATS, append_records, write_merged
+from dsdebug.config.args import integer, number, one_of
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.comm_debug import CommTracker, StepClock, register_ddp_hook
-from dsdebug.distributed.sweep import fill_wandb_sweep_identity, wandb_sweep_identity  # noqa: F401 (re-exported)
-from dsdebug.errors import ConfigError
+from dsdebug.callbacks.step_clock import StepClock
+from dsdebug.distributed.timing import CommTracker, register_ddp_hook
 
 log = logging.getLogger(__name__)
 
@@ -72,29 +72,27 @@ class LogSync(DebugCallback):
     | ``wandb_failed_run`` (info) | a W&B run was finished as failed after an exception |
     | ``timeline.jsonl`` | rank 0: every rank's log lines and metric snapshots, one JSON per line, time-ordered per gather |
     | ``logs_merged.log`` | rank 0 at the end: the timeline as text, sorted by time, ``[rank r]`` prefix |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): a straggler streak is about the hosts the
+    ranks ran on, which a resumed job may not get again, and only rank 0 knows which ranks it named.
     """
 
     name = "log_sync"
+    state_attrs = ()  # straggler streaks name ranks of this job's hosts; the named-ranks set is rank 0's own
 
     def __init__(self, every_n_steps: int = 10, straggler_factor: float = 1.3, straggler_min_excess_s: float = 0.05,
                  straggler_patience: int = 2, warmup_steps: int = 2, timeline: bool = True, log_level: str = "INFO",
                  max_lines_per_sync: int = 5000, finish_wandb_on_exception: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        checks = (("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and every_n_steps >= 1, "an integer >= 1"),
-                  ("straggler_factor", straggler_factor, isinstance(straggler_factor, (int, float)) and straggler_factor > 1,
-                   "a number > 1"),
-                  ("straggler_min_excess_s", straggler_min_excess_s,
-                   isinstance(straggler_min_excess_s, (int, float)) and straggler_min_excess_s >= 0, "seconds >= 0"),
-                  ("straggler_patience", straggler_patience, isinstance(straggler_patience, int) and straggler_patience >= 1,
-                   "an integer >= 1"),
-                  ("warmup_steps", warmup_steps, isinstance(warmup_steps, int) and warmup_steps >= 0, "an integer >= 0"),
-                  ("log_level", log_level, str(log_level).upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
-                   "DEBUG, INFO, WARNING, ERROR"),
-                  ("max_lines_per_sync", max_lines_per_sync, isinstance(max_lines_per_sync, int) and max_lines_per_sync >= 1,
-                   "an integer >= 1"))
-        for key, value, ok, valid in checks:
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(1)),
+            straggler_factor=(straggler_factor, number(1, open_low=True, finite=False)),
+            straggler_min_excess_s=(straggler_min_excess_s, number(0, note="seconds", finite=False)),
+            straggler_patience=(straggler_patience, integer(1)),
+            warmup_steps=(warmup_steps, integer(0)),
+            log_level=(log_level, one_of("DEBUG", "INFO", "WARNING", "ERROR", any_case=True)),
+            max_lines_per_sync=(max_lines_per_sync, integer(1)),
+        )
         self.every_n_steps, self.factor, self.min_excess_s = every_n_steps, float(straggler_factor), float(straggler_min_excess_s)
         self.timeline, self.log_level, self.max_lines = bool(timeline), str(log_level).upper(), max_lines_per_sync
         self.patience, self.finish_wandb = straggler_patience, bool(finish_wandb_on_exception)
@@ -168,7 +166,7 @@ class LogSync(DebugCallback):
                 self._first_step = trainer.global_step
         # global_step and the window's batch count are the same on every rank: all or none gather
         step = trainer.global_step
-        if self._n and step % self.every_n_steps == 0 and step != self._last_sync:
+        if self._n and self.due(step) and step != self._last_sync:
             self._last_sync = step
             self._sync(trainer)
 

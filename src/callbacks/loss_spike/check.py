@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from dsdebug.checkpoint import rollback as rb
+from dsdebug.config.args import boolean, integer, number, one_of
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import _at_accumulation_boundary, _num, grad_source, local_grad
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
-from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, get_channel
 
 __all__ = ["LossSpike", "SpikeWindow"]
@@ -70,29 +70,30 @@ class LossSpike(DebugCallback):
     | ``loss_spike_persistent`` | error | more than ``max_rollbacks`` / ``max_consecutive_skips``: the run stops |
     | ``loss_spike_resume_skip`` | info | a resume drops batches a rollback skipped |
     | ``loss_spike_summary`` | info | at the end: steps checked, spikes, largest score, z and jump |
+
+    Resume (from all-reduced losses, alike on every rank): the window's last ``max(window, warmup_steps)``
+    healthy records (so a warm-up done stays done), and ``state_attrs``: rollbacks done, spiking steps in
+    a row, finding counts, the summary's steps checked and largest score.
     """
     name = "loss_spike"
+    state_attrs = ("_rollbacks", "_in_row", "_counts", "_checked", "_largest")
 
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,
                  min_rel_jump: float = 0.25, use_grad_norm: bool = True, grad_ratio: float = 3.0,
                  max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5) -> None:
         super().__init__(on_error="warn")
-        for key, value, ok, valid in (
-            ("policy", policy, policy in POLICIES, " | ".join(POLICIES)),
-            ("window", window, _int(window) and window >= 5, "an int >= 5"),
-            ("warmup_steps", warmup_steps, _int(warmup_steps) and warmup_steps >= 5, "an int >= 5"),
-            ("z_threshold", z_threshold, _num(z_threshold) and z_threshold > 0, "a number > 0"),
-            ("min_rel_jump", min_rel_jump, _num(min_rel_jump) and min_rel_jump > 0, "a number > 0"),
-            ("use_grad_norm", use_grad_norm, isinstance(use_grad_norm, bool), "true | false"),
-            ("grad_ratio", grad_ratio, _num(grad_ratio) and grad_ratio > 1, "a number > 1"),
-            ("max_rollbacks", max_rollbacks, _int(max_rollbacks) and max_rollbacks >= 0, "an int >= 0"),
-            ("max_consecutive_skips", max_consecutive_skips, _int(max_consecutive_skips) and max_consecutive_skips >= 1,
-             "an int >= 1"),
-            ("max_findings_per_code", max_findings_per_code, _int(max_findings_per_code) and max_findings_per_code >= 1,
-             "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            policy=(policy, one_of(*POLICIES)),
+            window=(window, integer(5)),
+            warmup_steps=(warmup_steps, integer(5)),
+            z_threshold=(z_threshold, number(0, open_low=True)),
+            min_rel_jump=(min_rel_jump, number(0, open_low=True)),
+            use_grad_norm=(use_grad_norm, boolean()),
+            grad_ratio=(grad_ratio, number(1, open_low=True)),
+            max_rollbacks=(max_rollbacks, integer(0)),
+            max_consecutive_skips=(max_consecutive_skips, integer(1)),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
         self.policy, self.use_grad_norm = policy, use_grad_norm
         self.max_rollbacks, self.max_consecutive_skips = max_rollbacks, max_consecutive_skips
         self.max_findings_per_code = max_findings_per_code
@@ -271,14 +272,14 @@ class LossSpike(DebugCallback):
                         details={"steps_checked": self._checked, "counts": dict(self._counts), "largest": big,
                                  "rollbacks": self._rollbacks}, rank=None)
 
-    # ---- state in checkpoints: the window survives a resume ---------------------------------
+    # ---- state in checkpoints: the window (and whether warm-up is done) survives a resume ----------
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.detector.history)[-self.detector.window:], "rollbacks": self._rollbacks}
+        keep = max(self.detector.window, self.detector.warmup_steps)
+        return {**super().state_dict(), "history": list(self.detector.history)[-keep:]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.detector.history.clear()
         self.detector.history.extend(tuple(r) for r in state.get("history", []))
-        self._rollbacks = int(state.get("rollbacks", 0))
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+        if "rollbacks" in state:  # a checkpoint written before state_attrs
+            self._rollbacks = int(state["rollbacks"])

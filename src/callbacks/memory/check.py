@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError, is_out_of_memory
-from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of, paper_bytes
-from dsdebug.callbacks.grad_access import _at_accumulation_boundary, _num
+from dsdebug.errors import is_out_of_memory
+from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary
 from dsdebug.callbacks.memory.footprint import GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes
 
 __all__ = ["MemoryMonitor", "expected_state_bytes", "growth", "oom_advice", "rss_bytes"]
@@ -72,27 +73,27 @@ class MemoryMonitor(DebugCallback):
     | ``oom`` | error | out of memory: phase, peak, remedies ordered for this config |
     | ``model_states`` | info | held vs expected bytes per rank (at ``check_states_at_step``) |
     | ``memory_summary`` | info | at the end: per-rank peak memory |
+
+    Resume: nothing is carried over (``state_attrs`` is empty): the samples and the leak flag are each
+    rank's own memory, and the model states are measured again in the resumed processes.
     """
     name = "memory"
+    state_attrs = ()  # per-rank memory (RSS/allocated samples, leak flag) and this process's model states
 
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 20, growth_window: int = 50,
                  growth_mb_per_step: float = 1.0, growth_min_share: float = 0.5, check_states_at_step: int = 1,
                  states_tolerance: float = 0.1, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, ok, valid in (
-            ("every_n_steps", every_n_steps, _int(every_n_steps, 0), "an int >= 0 (0 = no sampling)"),
-            ("warmup_steps", warmup_steps, _int(warmup_steps, 0), "an int >= 0"),
-            ("growth_window", growth_window, _int(growth_window, 3), "an int >= 3"),
-            ("growth_mb_per_step", growth_mb_per_step, _num(growth_mb_per_step) and growth_mb_per_step > 0,
-             "a number > 0"),
-            ("growth_min_share", growth_min_share, _num(growth_min_share) and 0 <= growth_min_share <= 1,
-             "a number in [0, 1]"),
-            ("check_states_at_step", check_states_at_step, _int(check_states_at_step, -1),
-             "an int >= 1, or -1 = off (Adam states exist after the first update)"),
-            ("states_tolerance", states_tolerance, _num(states_tolerance) and states_tolerance >= 0, "a number >= 0"),
-        ):
-            if not ok or (key == "check_states_at_step" and value == 0):
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(0, note="0 = no sampling")),
+            warmup_steps=(warmup_steps, integer(0)),
+            growth_window=(growth_window, integer(3)),
+            growth_mb_per_step=(growth_mb_per_step, number(0, open_low=True)),
+            growth_min_share=(growth_min_share, number(0, 1)),
+            check_states_at_step=(check_states_at_step, either(integer(1), integer(-1, -1), valid=(
+                "an int >= 1, or -1 = off (Adam states exist after the first update)"))),
+            states_tolerance=(states_tolerance, number(0)),
+        )
         self.every_n_steps, self.warmup_steps, self.growth_window = every_n_steps, warmup_steps, growth_window
         self.growth_mb_per_step, self.growth_min_share = float(growth_mb_per_step), float(growth_min_share)
         self.check_states_at_step, self.states_tolerance = check_states_at_step, float(states_tolerance)
@@ -128,17 +129,17 @@ class MemoryMonitor(DebugCallback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._phase = "between steps (logging, checkpointing, data loading)"
         step = trainer.global_step
-        if not self.every_n_steps or step % self.every_n_steps:
+        if not self.due(step):
             return
         now = self._now()
-        if trainer.global_rank == 0 and step % max(trainer.log_every_n_steps, 1) == 0:
+        if trainer.global_rank == 0 and self.due(step, max(trainer.log_every_n_steps, 1)):
             metrics = {f"memory/{'rss' if k == 'rss' else k}_gb": v / GB for k, v in now.items()}
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=step)
         if step < self.warmup_steps or self._leak_reported:
             return
         self._samples.append((step, int(now["allocated" if self._cuda else "rss"])))
-        if len(self._samples) < self.growth_window or step % max(1, self.growth_window // 10):
+        if len(self._samples) < self.growth_window or not self.due(step, max(1, self.growth_window // 10)):
             return  # the fit every window/10 steps: ~free per step
         slope, share = growth(list(self._samples))
         if slope > self.growth_mb_per_step and share >= self.growth_min_share:
@@ -245,8 +246,3 @@ class MemoryMonitor(DebugCallback):
             self.report(trainer, "info", "memory_summary",
                         f"{kind} per rank: " + ", ".join(f"rank {r} {b / GB:.2f} GB" for r, b in enumerate(peaks)),
                         details={"peak_bytes": peaks, "states": self._states}, rank=None)
-
-
-def _int(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-

@@ -6,16 +6,15 @@ The config example and the table of metrics and findings: the class docstring (`
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from typing import Any
 
 import torch
 
 from dsdebug.callbacks.mixed_precision.loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
+from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_monitor import _at_accumulation_boundary, display_name, grad_source, local_grad
-from dsdebug.errors import ConfigError
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.findings import Finding
 
 __all__ = ["MixedPrecisionCheck"]
@@ -76,36 +75,33 @@ class MixedPrecisionCheck(DebugCallback):
     | ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``; once) |
     | ``grad_underflow`` | warning | > ``max_subnormal_fraction`` of non-zero fp16 gradient elements are subnormal |
     | ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, worst stale fraction |
+
+    Resume (``state_attrs``, from the scaler every rank agrees on): the overflow streak, skipped and
+    observed steps, the skip window, whether the scale-floor error was reported. Not kept: the scale
+    history (grows with the run) and the bf16 stale fraction (rank 0's own measurement).
     """
     name = "mixed_precision"
+    policies = ("warn", "stop")
+    policy_note = "skip: the scaler already skips an overflowed step"
+    state_attrs = ("streak", "skipped", "steps", "_recent", "_at_floor_reported")
 
     def __init__(self, every_n_steps: int = 50, streak_warn: int = 4, streak_error: int = 10,
                  min_scale: float = 1.0, window: int = 100, max_skip_fraction: float = 0.05,
                  warmup_steps: int = 50, max_stale_fraction: float = 0.5, max_subnormal_fraction: float = 0.1,
                  on_error: str = "warn") -> None:
-        if on_error == "skip":
-            raise ConfigError(f"callbacks.{self.name}.on_error='skip' is invalid (the scaler already skips an "
-                              "overflowed step); valid: warn, stop")
         super().__init__(on_error=on_error)
-        frac = "a number in (0, 1]"
-        for key, v, ok, valid in (
-            ("every_n_steps", every_n_steps, _int(every_n_steps) and every_n_steps >= 0, "an int >= 0 (0 = off)"),
-            ("streak_warn", streak_warn, _int(streak_warn) and streak_warn >= 1, "an int >= 1"),
-            ("streak_error", streak_error, _int(streak_error) and streak_error >= 1, "an int >= 1"),
-            ("min_scale", min_scale, _num(min_scale) and min_scale > 0, "a number > 0"),
-            ("window", window, _int(window) and window >= 1, "an int >= 1"),
-            ("max_skip_fraction", max_skip_fraction, _num(max_skip_fraction) and 0 < max_skip_fraction <= 1, frac),
-            ("warmup_steps", warmup_steps, _int(warmup_steps) and warmup_steps >= 0, "an int >= 0"),
-            ("max_stale_fraction", max_stale_fraction, _num(max_stale_fraction) and 0 < max_stale_fraction <= 1,
-             frac),
-            ("max_subnormal_fraction", max_subnormal_fraction,
-             _num(max_subnormal_fraction) and 0 < max_subnormal_fraction <= 1, frac),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={v!r} is invalid; valid: {valid}")
-        if streak_error < streak_warn:
-            raise ConfigError(f"callbacks.{self.name}.streak_error={streak_error!r} is invalid; valid: an int >= "
-                              f"streak_warn ({streak_warn})")
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(0, note="0 = off")),
+            streak_warn=(streak_warn, integer(1)),
+            streak_error=(streak_error, integer(1)),
+            min_scale=(min_scale, number(0, open_low=True)),
+            window=(window, integer(1)),
+            max_skip_fraction=(max_skip_fraction, number(0, 1, open_low=True)),
+            warmup_steps=(warmup_steps, integer(0)),
+            max_stale_fraction=(max_stale_fraction, number(0, 1, open_low=True)),
+            max_subnormal_fraction=(max_subnormal_fraction, number(0, 1, open_low=True)),
+        )
+        self.check_args(streak_error=(streak_error, integer(streak_warn, note="streak_warn")))
         self.every_n_steps, self.streak_warn, self.streak_error = every_n_steps, streak_warn, streak_error
         self.min_scale, self.window, self.max_skip_fraction = float(min_scale), window, float(max_skip_fraction)
         self.warmup_steps, self.max_stale_fraction = warmup_steps, float(max_stale_fraction)
@@ -142,7 +138,7 @@ class MixedPrecisionCheck(DebugCallback):
             return
         self._stepped = True
         step = trainer.global_step
-        if not self._cadence(step):
+        if not self.due(step):
             return
         if self._bf16 and trainer.global_rank == 0 and step >= self.warmup_steps:
             self._snap = [p.detach().clone() for _, p in self._bf16]  # rank 0: weights are replicated
@@ -181,7 +177,7 @@ class MixedPrecisionCheck(DebugCallback):
         floor = self.min_scale if floor is None else floor
         details = {"scale": scale, "streak": self.streak, "skipped_steps": self.skipped, "steps": self.steps,
                    **(self.reader.settings() if self.reader is not None else {})}
-        if self._cadence(step):
+        if self.due(step):
             self._log(trainer, {"precision/loss_scale": scale, "precision/skipped_steps": self.skipped}, step)
         if skipped and scale <= floor and not self._at_floor_reported:
             self._at_floor_reported = True
@@ -240,9 +236,6 @@ class MixedPrecisionCheck(DebugCallback):
                                                          "worst": {n: f for f, n in per[:10]}}, rank=0, step=step)
 
     # ---- helpers -----------------------------------------------------------------------
-    def _cadence(self, step: int) -> bool:
-        return bool(self.every_n_steps) and step % self.every_n_steps == 0
-
     def _log(self, trainer: Any, metrics: dict, step: int | None = None) -> None:
         if metrics and trainer.global_rank == 0:
             for lg in trainer.loggers:
@@ -272,11 +265,3 @@ class MixedPrecisionCheck(DebugCallback):
                              "min_scale_seen": min(self._scales) if self._scales else None,
                              "bf16_weights": len(self._bf16), "worst_stale_fraction": self.worst_stale[0]},
                     rank=None)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import torch
 
+from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name
-from dsdebug.errors import ConfigError
 from dsdebug.callbacks.replica_parity.checksums import _PRIME, _fp64, _scalar, checksums, divergent
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
@@ -77,7 +77,7 @@ class ReplicaParity(DebugCallback):
     - Always: learning rate per param group, optimizer step count (DeepSpeed: the engine's
       ``global_steps`` and ``skipped_steps``; torch: the first state's ``step``), loss scale, the
       last global grad norm (DeepSpeed), and the hashes of the seed and the resolved config (the
-      ``consistency`` check's ``config_hash``, re-checked at every check, so after a resume too).
+      ``config/fingerprint.py``'s ``config_hash``, as the ``consistency`` check, re-checked at every check, so after a resume too).
 
     Example::
 
@@ -96,23 +96,20 @@ class ReplicaParity(DebugCallback):
     | ``config_hash_mismatch`` | warning | the resolved config or the seed differs (e.g. a resume with other overrides on some ranks) |
     | ``replicas_equal_again`` | info | a divergence is gone (ZeRO-1/2 re-gathers the weights every step) |
     | ``parity_summary`` | info | at the end: checks, what was compared, time per check, divergences |
+
+    Resume (``state_attrs``, from the gathered checksums, alike on every rank): per kind whether it is
+    divergent, since when and the step last equal; the finding counts and the checks done.
     """
     name = "replica_parity"
+    policies = ("warn", "stop")
+    policy_note = "skip: skipping one update does not bring replicas back together"
+    state_attrs = ("_state", "_counts", "_checks")
 
     def __init__(self, every_n_steps: int = 50, buffers: bool = True, max_findings_per_code: int = 5,
                  on_error: str = "warn") -> None:
-        if on_error not in ("warn", "stop"):  # skipping one update does not bring replicas back together
-            raise ConfigError(f"callbacks.{self.name}.on_error={on_error!r} is invalid; valid: warn, stop")
         super().__init__(on_error=on_error)
-        for key, value, ok, valid in (
-            ("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool)
-             and every_n_steps >= 0, "an int >= 0 (0 = only the first step and the end)"),
-            ("buffers", buffers, isinstance(buffers, bool), "true or false"),
-            ("max_findings_per_code", max_findings_per_code, isinstance(max_findings_per_code, int)
-             and max_findings_per_code >= 1, "an int >= 1"),
-        ):
-            if not ok:
-                raise ConfigError(f"callbacks.{self.name}.{key}={value!r} is invalid; valid: {valid}")
+        self.check_args(every_n_steps=(every_n_steps, integer(0, note="0 = only the first step and the end")),
+                        buffers=(buffers, boolean()), max_findings_per_code=(max_findings_per_code, integer(1)))
         self.every_n_steps, self.buffers, self.max_findings = every_n_steps, buffers, max_findings_per_code
         self.run_config: Any = None
         self._entries: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
@@ -152,7 +149,7 @@ class ReplicaParity(DebugCallback):
     def _scalar_entries(self, trainer: Any) -> list[tuple[str, str, Callable[[], torch.Tensor]]]:
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        from dsdebug.callbacks.consistency import config_facts, config_hash
+        from dsdebug.config.fingerprint import config_facts, config_hash
 
         entries: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
         opt = trainer.optimizers[0] if trainer.optimizers else None
@@ -182,7 +179,7 @@ class ReplicaParity(DebugCallback):
             return
         step = trainer.global_step
         first = self._fit_step is None
-        if first or (self.every_n_steps and step % self.every_n_steps == 0 and step != self._fit_step):
+        if first or (self.due(step) and step != self._fit_step):
             self._fit_step = step
             self._check(trainer, pl_module, step, f"before the update of step {step}")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from dsdebug.config.args import boolean, integer, one_of, optional
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.errors import ConfigError
-from dsdebug.callbacks.reproducibility.replay import (  # noqa: F401 (_only: re-exported for tests)
+from dsdebug.callbacks.reproducibility.replay import (
     _only, _tensors, first_difference, ranks_differing, rng_state, seed_record, set_rng_state)
 
 __all__ = ["Reproducibility"]
@@ -28,10 +28,6 @@ _NONDET_MARK = "does not have a deterministic implementation"
 _ADVICE = ("look in that module's forward for randomness outside torch's global RNG (a fresh torch.Generator or "
            "numpy/random seeded from time/os.urandom), CUDA atomics (index_add_/scatter_add_), or torch.empty read "
            "before being written; warn_only=false makes PyTorch raise at ops without a deterministic kernel")
-
-
-def _invalid(key: str, value: Any, valid: str) -> ConfigError:
-    return ConfigError(f"callbacks.reproducibility.{key}={value!r} is invalid; valid: {valid}")
 
 
 class Reproducibility(DebugCallback):
@@ -81,25 +77,26 @@ class Reproducibility(DebugCallback):
     | ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
     | ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
 
-    Metrics: none.
+    Metrics: none. Resume: nothing is carried over (``state_attrs`` is empty): a resumed process sets
+    its flags and replays its own first ``replay_steps`` steps.
     """
     name = "reproducibility"
+    state_attrs = ()  # flags, records and the replay check belong to this process
 
     def __init__(self, seed: int | None = None, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
                  cublas_workspace_config: str = ":4096:8", fill_uninitialized_memory: bool | None = None,
                  replay_steps: int = 2, sample_size: int = 4096, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        for key, value, low in (("seed", 0 if seed is None else seed, 0), ("hash_seed", hash_seed, 0), ("replay_steps", replay_steps, 0),
-                                ("sample_size", sample_size, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 2**32:
-                raise _invalid(key, value, f"an int in [{low}, 2**32)")
-        for key, value in (("deterministic", deterministic), ("warn_only", warn_only)):
-            if not isinstance(value, bool):
-                raise _invalid(key, value, "true, false")
-        if not (fill_uninitialized_memory is None or isinstance(fill_uninitialized_memory, bool)):
-            raise _invalid("fill_uninitialized_memory", fill_uninitialized_memory, "null (auto), true, false")
-        if cublas_workspace_config not in CUBLAS_CONFIGS:
-            raise _invalid("cublas_workspace_config", cublas_workspace_config, ", ".join(CUBLAS_CONFIGS))
+        self.check_args(
+            seed=(seed, optional(integer(0, 2**32 - 1), "the run's seed")),
+            hash_seed=(hash_seed, integer(0, 2**32 - 1)),
+            replay_steps=(replay_steps, integer(0, 2**32 - 1)),
+            sample_size=(sample_size, integer(1, 2**32 - 1)),
+            deterministic=(deterministic, boolean()),
+            warn_only=(warn_only, boolean()),
+            fill_uninitialized_memory=(fill_uninitialized_memory, optional(boolean(), "auto")),
+            cublas_workspace_config=(cublas_workspace_config, one_of(*CUBLAS_CONFIGS)),
+        )
         self.seed, self.hash_seed, self.deterministic, self.warn_only = seed, hash_seed, deterministic, warn_only
         self.replay_steps, self.sample_size = replay_steps, sample_size
         # auto: on CUDA filling is cheap; on CPU it fills DeepSpeed's torch.empty reduce buckets

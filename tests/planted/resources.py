@@ -1,10 +1,10 @@
 """Planted resource bugs for the memory and throughput tests, selected by Hydra overrides:
 
-``+callbacks.planted._target_=tests.planted_resources.LeakFrom +callbacks.planted.step=6``
+``+callbacks.planted._target_=tests.planted.resources.LeakFrom +callbacks.planted.step=6``
 (keeps ``mb`` MB alive per step from ``step`` on, like a list of losses with their graphs),
-``model.net._target_=tests.planted_resources.OOMAtStep +model.net.step=3`` (forward raises
+``model.net._target_=tests.planted.resources.OOMAtStep +model.net.step=3`` (forward raises
 CUDA's out-of-memory error at training step ``step``), ``+callbacks.planted._target_=
-tests.planted_resources.SlowFrom +callbacks.planted.step=8`` (from ``step`` on every step takes
+tests.planted.resources.SlowFrom +callbacks.planted.step=8`` (from ``step`` on every step takes
 ``1 + factor`` times as long: a node that slows down).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from tests.planted_data import HealthyTinyLM
+from tests.planted.data import HealthyTinyLM
 
 
 class LeakFrom(Callback):

@@ -3,7 +3,7 @@
 ``NaNOutput``: at ``step`` (on ``rank``, None = every rank) the output of module ``module`` becomes
 NaN -- on the first ``calls`` calls of that step only (``calls=1``: a transient fault, the rerun is
 finite), or on every call during the step (``calls=null``: reproducible, the rerun hits it again).
-``+callbacks.planted._target_=tests.planted_nan.NaNOutput +callbacks.planted.module=mlp.2
+``+callbacks.planted._target_=tests.planted.nan.NaNOutput +callbacks.planted.module=mlp.2
 +callbacks.planted.step=3 +callbacks.planted.calls=1``
 """
 

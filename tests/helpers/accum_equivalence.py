@@ -1,6 +1,6 @@
 """Gradient accumulation k x b must equal one batch of k*b: one optimizer step, every strategy.
 
-Run as a script (``python tests/accum_equivalence.py --devices 2 --out results.json``): one
+Run as a script (``python tests/helpers/accum_equivalence.py --devices 2 --out results.json``): one
 process group fits, for each strategy, two variants built exactly as ``train.py`` builds them
 (``entry.build``): ``accum`` (micro batch b, ``accumulate_grad_batches=k``) and ``big`` (batch
 k*b, no accumulation). Both see the same samples on each rank (the sampler deals one global
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 # "json" = strategy=deepspeed_json with a ds_config.json that sets the micro batch and
@@ -60,18 +60,17 @@ def variant_overrides(strategy: str, variant: str, devices: int, plant: str | No
         batch = ["data.batch_size=2", f"trainer.accumulate_grad_batches={K}"] if variant == "accum" else [
             f"data.batch_size={K * B}", "trainer.accumulate_grad_batches=1"]
     if plant and strategy != "ddp":
-        chosen.append(f"strategy._target_=tests.accum_equivalence.{PLANTS[plant]}")
+        chosen.append(f"strategy._target_=tests.helpers.accum_equivalence.{PLANTS[plant]}")
     # SGD makes the update proportional to the gradient; optimizer offload needs an Adam
     # (DeepSpeedCPUAdam), whose weights after one step show less (its grad norm still does)
     optimizer = [] if strategy.endswith("offload") else [
         "optim.optimizer._target_=torch.optim.SGD", "~optim.optimizer.betas", "~optim.optimizer.eps"]
     return [
-        *chosen, f"trainer.devices={devices}", *batch,
-        "model.net._target_=tests.planted_data.HealthyTinyLM", *optimizer,
+        "experiment=smoke", *chosen, f"trainer.devices={devices}", *batch,
+        "model.net._target_=tests.planted.data.HealthyTinyLM", *optimizer,
         "optim.optimizer.weight_decay=0.0", "optim.lr=0.5", "~optim.scheduler", "optim.grad_clip=null",
         "trainer.max_steps=1", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false", "~callbacks.rich_progress_bar", "~callbacks.model_checkpoint",
-        "~callbacks.lr_monitor", "logger=csv", "export.fp32=false", "export.hf=false",
+        "~callbacks.model_checkpoint", "~callbacks.lr_monitor", "export.fp32=false", "export.hf=false",
         "data.max_tokens=30000", "preemption.enabled=false",
     ]
 

@@ -1,8 +1,8 @@
 """Planted bugs (and a witness) for the grad_monitor and freeze_verify tests.
 
 Used from the command line of a real run, e.g.
-``+callbacks.nan._target_=tests.planted_grads.CorruptGrad +callbacks.nan.param=model.layers.0.weight
-+callbacks.nan.step=2`` or ``model.net._target_=tests.planted_grads.NetWithDeadParams``.
+``+callbacks.nan._target_=tests.planted.grads.CorruptGrad +callbacks.nan.param=model.layers.0.weight
++callbacks.nan.step=2`` or ``model.net._target_=tests.planted.grads.NetWithDeadParams``.
 Parameter names are the net's own (no ``net.`` prefix).
 """
 
@@ -134,70 +134,6 @@ class NetWithDeadParams(nn.Module):
             h = h + self.detached(h) + self.unused(h)
         h = h + self.frozen(h)
         return self.lm_head(h)
-
-
-# ---- the real CLI runs both test files read (test side only; each runs once per session) ----
-# The 2-process DDP cases (healthy, and NaN forward on rank 1) read tests/shared_runs.py.
-_BASE = ["trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-         "~callbacks.rich_progress_bar", "data.max_tokens=60000", "logger=csv", "export.hf=false",
-         "+callbacks=[grad_monitor,freeze_verify]"]
-_PLANT = "+callbacks.{0}._target_=tests.planted_grads.{1}"
-RUN_ARGS = {
-    # 1 process, ZeRO-2 (DeepSpeed skip path), a net with dead parameters, three gradient bugs
-    "zero2_dead_net": _BASE + [
-        "trainer.max_steps=6", "trainer.val_check_interval=6", "export.fp32=false",
-        "model.net._target_=tests.planted_grads.NetWithDeadParams", "model.net.hidden_size=32",
-        "callbacks.grad_monitor.on_error=skip", "callbacks.grad_monitor.every_n_steps=1",
-        "callbacks.grad_monitor.warmup_steps=2",
-        _PLANT.format("nan", "CorruptGrad"), "+callbacks.nan.param=layers.0.weight", "+callbacks.nan.step=2",
-        _PLANT.format("big", "CorruptGrad"), "+callbacks.big.param=layers.1.weight", "+callbacks.big.step=3",
-        "+callbacks.big.mode=scale",
-        _PLANT.format("spike", "CorruptGrad"), "+callbacks.spike.param=layers.1.weight", "+callbacks.spike.step=5",
-        "+callbacks.spike.mode=scale", "+callbacks.spike.factor=30",
-        _PLANT.format("rec", "ParamRecorder"), "+callbacks.rec.steps=[1,2,3]"],
-    # 1 process, plain DDP (torch optimizer skip path), on_error=stop at a NaN in step 3
-    "ddp_stop": _BASE + [
-        "trainer.max_steps=6", "trainer.val_check_interval=6", "strategy=ddp",
-        "model.net._target_=tests.planted_grads.NetWithDeadParams", "model.net.hidden_size=32", "+model.net.dead=false",
-        "callbacks.grad_monitor.on_error=stop",
-        _PLANT.format("nan", "CorruptGrad"), "+callbacks.nan.param=lm_head.weight", "+callbacks.nan.step=3",
-        _PLANT.format("rec", "ParamRecorder"), "+callbacks.rec.steps=[2,3]"],
-    # 2 processes, ZeRO-3: train only layer 0; a NaN in one of its gradients on rank 1 at step 3,
-    # exploding gradients on rank 0 at step 4 (on_error=skip: DeepSpeed's overflow path, forced)
-    "zero3_2proc": _BASE + [
-        "trainer=ddp_sim", "strategy=zero3", "trainer.max_steps=5", "trainer.val_check_interval=5",
-        "export.fp32=false", "callbacks.grad_monitor.every_n_steps=2",
-        "callbacks.freeze_verify.train_only=[model.layers.0.*]", "callbacks.freeze_verify.check_after_steps=2",
-        _PLANT.format("nan", "CorruptGrad"), "+callbacks.nan.param=model.layers.0.mlp.up_proj.weight",
-        "+callbacks.nan.step=3", "+callbacks.nan.rank=1",
-        "callbacks.grad_monitor.on_error=skip",
-        _PLANT.format("big", "CorruptGrad"), "+callbacks.big.param=model.layers.0.self_attn.o_proj.weight",
-        "+callbacks.big.step=4", "+callbacks.big.mode=scale", "+callbacks.big.rank=0",
-        _PLANT.format("rec", "ParamRecorder"), "+callbacks.rec.steps=[0,4]"],
-}
-_RUNS: dict[str, tuple[Any, Path]] = {}
-
-
-def shared_run(name: str, tmp_path_factory: Any, cache: Path) -> tuple[Any, Path]:
-    """(finished process, run dir) of RUN_ARGS[name]; the run happens once per test session."""
-    if name not in _RUNS:
-        from tests.conftest import only_run_dir, run_train
-
-        log_dir = tmp_path_factory.mktemp(name)
-        _RUNS[name] = (run_train(RUN_ARGS[name], log_dir, cache), only_run_dir(log_dir))
-    return _RUNS[name]
-
-
-def read_findings(run_dir: Path, check: str | None = None) -> list[dict]:
-    path = run_dir / "findings.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return [r for r in records if check is None or r["check"] == check]
-
-
-def one(records: list[dict], code: str) -> dict:
-    hits = [r for r in records if r["code"] == code]
-    assert len(hits) == 1, f"expected one {code}, got {hits or [(r['code'], r['step']) for r in records]}"
-    return hits[0]
 
 
 def changed_params(run_dir: Path, step: int) -> list[str]:

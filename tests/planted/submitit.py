@@ -1,4 +1,4 @@
-"""A scheduler's preemption signal inside a submitit job (``+callbacks.plant._target_=tests.planted_submitit.X``)."""
+"""A scheduler's preemption signal inside a submitit job (``+callbacks.plant._target_=tests.planted.submitit.X``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fit each ds_config.json of tests/ds_configs/ that should train, in one process group.
 
-``python tests/ds_config_corpus.py --devices 2 --out facts.json hf_zero2.json ...``: for every
+``python tests/helpers/ds_config_corpus.py --devices 2 --out facts.json hf_zero2.json ...``: for every
 file, a 2-step fit of a small DeepSeek built exactly as ``train.py`` builds it (``entry.build``),
 then the facts a test checks: what the run settled (batch, accumulation, precision), what
 DeepSpeed built (optimizer, scheduler, ZeRO stage, offload), what was filled and said (log
@@ -19,22 +19,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 CONFIGS = REPO / "tests" / "ds_configs"
 
 OVERRIDES = [
-    "strategy=deepspeed_json", "model.net.hidden_size=64", "model.net.num_hidden_layers=2",
+    "experiment=smoke", "strategy=deepspeed_json", "model.net.hidden_size=64", "model.net.num_hidden_layers=2",
     "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-    "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-    "~callbacks.rich_progress_bar", "~callbacks.model_checkpoint", "logger=csv", "export.fp32=false",
-    "export.hf=false", "data.max_tokens=60000", "preemption.enabled=false",
+    "trainer.num_sanity_val_steps=0", "~callbacks.model_checkpoint", "export.fp32=false", "export.hf=false",
+    "preemption.enabled=false",
 ]
 
 
 # per file: overrides beyond OVERRIDES. wall_clock_breakdown runs a module whose training_step
 # calls self(x), the pattern that entered DeepSpeed's forward hooks twice and crashed its timers
-EXTRA = {"wall_clock_breakdown.json": ["model._target_=tests.ds_config_corpus.SelfCallingLM"]}
+EXTRA = {"wall_clock_breakdown.json": ["model._target_=tests.helpers.ds_config_corpus.SelfCallingLM"]}
 
 
 def __getattr__(name: str) -> Any:  # Hydra's _target_ builds it lazily (Lightning is imported by then)

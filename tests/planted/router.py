@@ -6,7 +6,7 @@ starves it (dead expert). DeepSeek-V3 routers get it where V3 keeps such a bias,
 ``e_score_correction_bias`` buffer (a sign bug in its update is a real way to collapse); other
 routers (Mixtral/Qwen-MoE/OLMoE: softmax then top-k) get it on their logits through a forward
 hook that re-does their top-k. Used from the command line, e.g.
-``+callbacks.planted._target_=tests.planted_router.RouterBias +callbacks.planted.layer=1
+``+callbacks.planted._target_=tests.planted.router.RouterBias +callbacks.planted.layer=1
 +callbacks.planted.expert=0 +callbacks.planted.step=3``.
 """
 

@@ -1,9 +1,9 @@
 """Planted layer bugs (and a witness) for the layer_health tests.
 
 From the command line of a real run:
-``model.net._target_=tests.planted_layers.BlockLM +model.net.scaled_block=1`` (block 1's output x 1e-6),
-``+model.net.slow_block=2 optim.optimizer._target_=tests.planted_layers.adamw_planted_lr`` (block 2 in its own
-param group with lr 1e-9), ``+callbacks.boom._target_=tests.planted_layers.ScaleBlockGrad
+``model.net._target_=tests.planted.layers.BlockLM +model.net.scaled_block=1`` (block 1's output x 1e-6),
+``+model.net.slow_block=2 optim.optimizer._target_=tests.planted.layers.adamw_planted_lr`` (block 2 in its own
+param group with lr 1e-9), ``+callbacks.boom._target_=tests.planted.layers.ScaleBlockGrad
 +callbacks.boom.block=model.layers.3 +callbacks.boom.from_step=6`` (block 3's gradient x 100 from step 6).
 """
 
@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from dsdebug.callbacks.grad_monitor import display_name, layer_of
+from dsdebug.callbacks.grad_access import display_name, layer_of
 
 
 class BlockLM(nn.Module):

@@ -11,10 +11,13 @@ applies them::
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from numbers import Real
 from typing import Any, Callable
 
-__all__ = ["Rule", "boolean", "integer", "is_int", "is_number", "number", "one_of", "optional", "seconds"]
+__all__ = ["Rule", "boolean", "either", "integer", "is_int", "is_number", "number", "one_of", "optional", "seconds",
+           "string", "strings"]
 
 Rule = tuple[Callable[[Any], bool], str]
 
@@ -54,9 +57,10 @@ def integer(low: int | None = None, high: int | None = None, note: str = "") -> 
 
 
 def number(low: float | None = None, high: float | None = None, open_low: bool = False, open_high: bool = False,
-           note: str = "") -> Rule:
-    """An int or float (not a bool, not NaN) between ``low`` and ``high`` (closed unless ``open_*``)."""
-    return (lambda v: is_number(v) and _within(v, low, high, open_low, open_high),
+           note: str = "", finite: bool = True) -> Rule:
+    """An int or float (not a bool, not NaN; not +-inf unless ``finite=False``) between ``low`` and ``high``
+    (closed unless ``open_*``)."""
+    return (lambda v: is_number(v) and (not finite or math.isfinite(v)) and _within(v, low, high, open_low, open_high),
             _noted(_bounds("a number", low, high, open_low, open_high), note))
 
 
@@ -69,11 +73,32 @@ def boolean() -> Rule:
     return (lambda v: isinstance(v, bool), "true, false")
 
 
-def one_of(*choices: Any) -> Rule:
-    return (lambda v: v in choices, ", ".join("null" if c is None else str(c) for c in choices))
+def one_of(*choices: Any, any_case: bool = False, note: str = "") -> Rule:
+    """One of ``choices``; with ``any_case`` a value matches whatever its case (``info`` for ``INFO``)."""
+    def test(v: Any) -> bool:
+        return (str(v).upper() if any_case and v is not None else v) in choices
+
+    return (test, _noted(", ".join("null" if c is None else str(c) for c in choices), note))
+
+
+def string(valid: str) -> Rule:
+    """A string; ``valid`` says which (``"latest, or a run dir"``)."""
+    return (lambda v: isinstance(v, str), valid)
+
+
+def strings(valid: str = "a list of strings") -> Rule:
+    """A list (or tuple) of strings, not a single string."""
+    return (lambda v: not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__iter__")
+            and all(isinstance(p, str) for p in v), valid)
 
 
 def optional(rule: Rule, note: str = "") -> Rule:
     """null, or what ``rule`` accepts."""
     test, valid = rule
     return (lambda v: v is None or test(v), f"null{' (' + note + ')' if note else ''} or {valid}")
+
+
+def either(*rules: Rule, valid: str = "") -> Rule:
+    """What any of ``rules`` accepts (``either(integer(1), integer(-1, -1), valid="an int >= 1, or -1 = off")``);
+    ``valid`` replaces the joined texts."""
+    return (lambda v: any(test(v) for test, _ in rules), valid or ", or ".join(text for _, text in rules))

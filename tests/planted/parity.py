@@ -1,6 +1,6 @@
 """Planted replica divergence for the replica_parity tests (and reproducibility's rank pointer).
 
-``+callbacks.drift._target_=tests.planted_parity.PerturbParam +callbacks.drift.param=model.layers.1.mlp.down_proj.weight
+``+callbacks.drift._target_=tests.planted.parity.PerturbParam +callbacks.drift.param=model.layers.1.mlp.down_proj.weight
 +callbacks.drift.step=3 +callbacks.drift.rank=1``: at the start of ``step`` (before its forward) rank
 ``rank`` alone adds ``delta`` to one element of ``param`` in place, as a silent bit flip or a
 rank-local op would. ``in_forward=true`` does it in a forward pre-hook of the parameter's module

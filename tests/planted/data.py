@@ -1,7 +1,7 @@
 """Planted bugs for the reproducibility, data_inspector and profiler callbacks.
 
-Importable from a child process (``model.net._target_=tests.planted_data.NoisyLM``,
-``data._target_=tests.planted_data.BuggyDataModule``). Each class plants one or more bugs
+Importable from a child process (``model.net._target_=tests.planted.data.NoisyLM``,
+``data._target_=tests.planted.data.BuggyDataModule``). Each class plants one or more bugs
 a real run can have; the callbacks' tests check that each is found and named.
 """
 
@@ -132,59 +132,3 @@ class _SlowCollate:
 
     def __call__(self, samples):
         return slow_collate(samples, self.delay)
-
-
-# ---- shared CLI runs for test_cb_{reproducibility,data_inspector,profiler}.py ---------------
-# Several planted bugs share one run, and each run is made once per session (pytest imports
-# this module once): the three test files read the same run dirs. Their 2-process cases read
-# the shared runs in tests/shared_runs.py.
-
-MY_CALLBACKS = "+callbacks=[reproducibility,data_inspector,profiler]"
-PROFILE_WINDOW = ["callbacks.profiler.wait=1", "callbacks.profiler.warmup=1", "callbacks.profiler.active=2"]
-LEAN_WINDOW = ["callbacks.profiler.wait=1", "callbacks.profiler.warmup=1", "callbacks.profiler.active=1",
-               "callbacks.profiler.record_shapes=false", "callbacks.profiler.profile_memory=false"]  # small traces
-TINY = ["model.net._target_=tests.planted_data.HealthyTinyLM", "strategy=ddp"]  # 1-process runs: seconds
-RUNS = {
-    # healthy, 1 process, replay on
-    "healthy": [MY_CALLBACKS, *PROFILE_WINDOW, *TINY, "callbacks.reproducibility.replay_steps=2"],
-    # the same without replay or profiler, with a dataloader worker, comparing its data order
-    # with "healthy"
-    "healthy_again": ["+callbacks=[reproducibility,data_inspector]", *TINY, "callbacks.reproducibility.replay_steps=0",
-                      "callbacks.data_inspector.compare_with=latest", "data.num_workers=1"],
-    # planted: noise module, val leak, seed-ignoring sampler, pre-shifted labels, slow collate
-    "planted": [MY_CALLBACKS, *LEAN_WINDOW, "callbacks.data_inspector.compare_with=latest",
-                "data._target_=tests.planted_data.BuggyDataModule", "+data.collate_delay=0.5",
-                "model.net._target_=tests.planted_data.NoisyLM", "strategy=ddp"],
-}
-_ORDER = ["healthy", "healthy_again", "planted"]  # share one log dir: "latest" finds the earlier ones
-_done: dict = {}
-
-
-def cli_run(name: str, tmp_path_factory, cache):
-    """(run_dir, findings) of RUNS[name], run once per session."""
-    import json
-
-    from tests.conftest import FAST, assert_ok, only_run_dir, run_dirs, run_train
-
-    if name in _done:
-        return _done[name]
-    if name in _ORDER:
-        for earlier in _ORDER[: _ORDER.index(name)]:
-            cli_run(earlier, tmp_path_factory, cache)
-        log_dir = _done.setdefault("_shared_log_dir", tmp_path_factory.mktemp("data_order_runs"))
-        before = set(run_dirs(log_dir))
-    else:
-        log_dir, before = tmp_path_factory.mktemp(name), set()
-    args = [a for a in FAST if not a.startswith("trainer.max_steps")] + [
-        "trainer.max_steps=5", "export.fp32=false", "export.hf=false", *RUNS[name]]
-    proc = run_train(args, log_dir, cache, env={"PYTHONHASHSEED": "random"})  # as a user's shell: not exported
-    assert_ok(proc)
-    run_dir = only_run_dir(log_dir) if not before else (set(run_dirs(log_dir)) - before).pop()
-    path = run_dir / "findings.jsonl"
-    findings = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    _done[name] = (run_dir, findings)
-    return _done[name]
-
-
-def of(findings: list, check: str, severities=("warning", "error")) -> list:
-    return [f for f in findings if f["check"] == check and f["severity"] in severities]

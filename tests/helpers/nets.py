@@ -1,4 +1,4 @@
-"""A user's own network, plugged in with model.net._target_=tests.nets.TinyLM."""
+"""A user's own network, plugged in with model.net._target_=tests.helpers.nets.TinyLM."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import psutil
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 
 def start_train(args: list[str], log_dir: Path, cache: Path, env: dict | None = None,

@@ -1,4 +1,4 @@
-"""A finding on one rank only, for the node-local run dir tests (``+callbacks.plant._target_=tests.planted_ranks.ReportOnRank``):
+"""A finding on one rank only, for the node-local run dir tests (``+callbacks.plant._target_=tests.planted.ranks.ReportOnRank``):
 the finding is written into that rank's own run dir and must reach rank 0's."""
 
 from __future__ import annotations

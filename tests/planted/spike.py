@@ -1,6 +1,6 @@
 """Planted loss spikes (and a batch witness) for the loss_spike tests.
 
-``+callbacks.spike._target_=tests.planted_spike.SpikeLoss +callbacks.spike.steps=[9,10]``: at those
+``+callbacks.spike._target_=tests.planted.spike.SpikeLoss +callbacks.spike.steps=[9,10]``: at those
 global steps the net's logits are multiplied by ``factor`` (a confidently wrong model: the loss
 jumps many-fold, the gradients with it), or, with ``mode=random_tokens``, the batch's tokens
 are replaced by random ones (corrupted data). ``BatchWitness`` writes, per rank, one line per

@@ -7,7 +7,7 @@ the CPU has no native fp16). Optionally it plants an overflow: from ``overflow_s
 ``overflow_steps`` steps, the fp16 gradient flowing out of module ``module`` is multiplied by
 ``factor`` -- beyond fp16's 65504 at any scale >= 1, so the scaler sees inf and skips.
 
-``+callbacks.planted._target_=tests.planted_precision.RealFp16OnCpu
+``+callbacks.planted._target_=tests.planted.precision.RealFp16OnCpu
 +callbacks.planted.module=fc +callbacks.planted.overflow_step=3 +callbacks.planted.overflow_steps=20``
 (use with ``strategy=ddp``).
 """
