@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsdebug.callbacks.memory import MemoryMonitor
-from dsdebug.callbacks.memory.footprint import expected_state_bytes, growth, oom_advice
+from dsdebug.callbacks.memory.footprint import expected_state_bytes, growth, oom_advice, zero2_grad_elements
 from dsdebug.errors import ConfigError
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
 from tests.helpers.runs import SMOKE, TINY_NET, assert_ok, only_run_dir, run_train, train_in_process
@@ -56,6 +56,35 @@ def test_expected_bytes_add_zero3_persistent_params_and_the_fp32_master():
     z2_fp32 = expected_state_bytes("zero2", psi, 2, (4, 4, 8))
     assert z2_fp32["total"] == 4 * psi + 12 * psi / 2 and z2_fp32["extra"] == 4 * psi / 2
     assert expected_state_bytes("ddp", psi, 2, (4, 4, 8))["expected"] == 16 * psi
+
+
+def _deepspeed_params_in_partition(numels: list[int], n: int, rank: int) -> int:
+    """What DeepSpeed's own stage_1_and_2 keeps for rank: its get_partition_info on meta tensors."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    align = 2 * n
+    size = -(-sum(numels) // align) * align // n
+    tensors = [torch.empty(k, device="meta") for k in numels]
+    inside, _, _ = DeepSpeedZeroOptimizer.get_partition_info(None, tensors, size, rank)
+    return sum(t.numel() for t in inside)
+
+
+@pytest.mark.parametrize("numels", [[131072, 16384, 512, 2097152, 4096], [7, 1000, 3, 999, 5], [64] * 9, [10**6]])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_zero2_gradient_partition_matches_deepspeeds_layout(numels, n):
+    """ZeRO-2 holds whole every gradient that overlaps the rank's partition (issue 26: a 2-rank run of
+    a net of two big tensors read 1.16x the paper's Psi/N and raised model_states_unexpected)."""
+    groups = [(numels, [0] * len(numels), False)]
+    for rank in range(n):
+        assert zero2_grad_elements(groups, n, rank) == _deepspeed_params_in_partition(numels, n, rank)
+    psi = sum(numels)
+    big = zero2_grad_elements([([131072, 16384, 512, 2097152, 4096], [0] * 5, False)], 2, 0)
+    assert big > 0.99 * 2249216  # the 2M tensor straddles: rank 0 holds ~all of Psi, not Psi/2
+    exp = expected_state_bytes("zero2", psi, n, (4, 4, 8), grad_elements=zero2_grad_elements(groups, n, 0))
+    assert exp["straddle"] == pytest.approx(max(0, 4 * zero2_grad_elements(groups, n, 0) - 4 * psi / n))
+    assert exp["expected"] == pytest.approx(4 * psi + 12 * psi / n + 4 * psi / n + exp["straddle"])
+    compact = zero2_grad_elements([(numels, [0] * len(numels), True)], n, 0)  # fp32 accumulation buffer
+    assert compact == -(-psi // (2 * n)) * 2  # exactly one partition
 
 
 def test_oom_advice_is_ordered_for_the_config_and_phase():
@@ -120,6 +149,21 @@ def test_planted_oom_is_one_error_line_and_an_oom_finding_with_advice(tmp_path, 
     assert "in forward at step 3" in oom["message"] and "zero2" in oom["message"]
     assert oom["advice"].startswith("1) halve data.batch_size (now 8)") and "zero3" in oom["advice"]
     assert json.loads((run_dir / "crash.json").read_text())["status"] == "out_of_memory"
+
+
+@pytest.mark.slow  # 2 processes (~45 s); the layout itself is held in make test by the unit test against DeepSpeed
+def test_zero2_two_big_tensors_is_silent_and_each_rank_matches_its_partition(tmp_path, shared_cache):
+    proc = run_train(SHORT + ["model.net._target_=tests.planted.healthy_nets.TwoBigLinearLM", "+callbacks=memory",
+                              "trainer.max_steps=3", "strategy=zero2", "trainer=ddp_sim"],
+                     tmp_path, shared_cache, timeout=600)
+    assert_ok(proc)
+    rows = findings(only_run_dir(tmp_path))
+    assert not [r for r in rows if r["severity"] != "info"], rows
+    (states,) = [r for r in rows if r["code"] == "model_states"]
+    d = states["details"]
+    assert d["layout"] == "zero2" and d["straddle"] > 0.1 * d["expected"]  # the big head straddles the boundary
+    for held, expected in zip(d["per_rank"], d["expected_per_rank"]):
+        assert held == pytest.approx(expected, rel=0.01)
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import is_out_of_memory
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary
-from dsdebug.callbacks.memory.footprint import GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes
+from dsdebug.callbacks.memory.footprint import (GB, MB, expected_state_bytes, growth, oom_advice, rss_bytes,
+                                                zero2_grad_elements, zero2_grad_groups)
 
 __all__ = ["MemoryMonitor", "expected_state_bytes", "growth", "oom_advice", "rss_bytes"]
 
@@ -41,8 +42,11 @@ class MemoryMonitor(DebugCallback):
       hold (``dsdebug.models.model_states.held_bytes``, the walk ``benchmarks/zero_memory.py`` measures
       with) and compares with ``paper_bytes`` for the active layout (DDP, ZeRO-1/2/3, offload), plus
       the terms the paper does not count but DeepSpeed documents: ZeRO-3 persistent params (small
-      params below ``stage3_param_persistence_threshold`` stay whole on every rank) and, in fp32, the
-      separate fp32 master partition of ZeRO-1/2/3.
+      params below ``stage3_param_persistence_threshold`` stay whole on every rank), in fp32, the
+      separate fp32 master partition of ZeRO-1/2/3, and ZeRO-2's real gradient partition: each rank
+      keeps WHOLE the gradient of every parameter that overlaps its flat partition
+      (``zero2_grad_elements``, modelled on DeepSpeed's ``stage_1_and_2``), so a net of a few big
+      tensors holds more than Psi/N gradients. Each rank computes its own expectation.
     - Growth: the per-step RSS (CPU) or allocated bytes (GPU) after ``warmup_steps``; a least-squares
       slope over the last ``growth_window`` samples above ``growth_mb_per_step``, with most steps
       growing, is a leak. Each rank judges its own memory and names itself.
@@ -167,12 +171,17 @@ class MemoryMonitor(DebugCallback):
         held = held_bytes(trainer.strategy, pl_module, trainer.optimizers)
         per_param = bytes_per_param(trainer.strategy, pl_module)
         n, rank = trainer.world_size, trainer.global_rank
-        exp = expected_state_bytes(layout, psi, n, per_param, persistent)
-        vec = torch.zeros(2 * n, dtype=torch.float64)
-        vec[rank], vec[n + rank] = held["total"], held["buckets"]
+        engine = getattr(trainer.strategy, "deepspeed_engine", None) if stage == 2 else None
+        groups = zero2_grad_groups(engine.optimizer) if engine is not None else None
+        # each rank's own expectation: under ZeRO-2 a tensor across a partition boundary is held whole
+        exp = expected_state_bytes(layout, psi, n, per_param, persistent,
+                                   zero2_grad_elements(groups, n, rank) if groups else None)
+        vec = torch.zeros(3 * n, dtype=torch.float64)
+        vec[rank], vec[n + rank], vec[2 * n + rank] = held["total"], held["buckets"], exp["expected"]
         if n > 1:  # COLLECTIVE, every rank, once
             vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
-        per_rank, held["buckets_per_rank"] = vec[:n].tolist(), vec[n:].tolist()
+        per_rank, held["buckets_per_rank"] = vec[:n].tolist(), vec[n:2 * n].tolist()
+        exp["expected_per_rank"] = vec[2 * n:].tolist()
         self._states = {"layout": layout, "psi": psi, "per_rank": per_rank, **exp}
         if rank == 0:
             for lg in trainer.loggers:
@@ -184,13 +193,16 @@ class MemoryMonitor(DebugCallback):
 
     def _report_states(self, trainer: Any, layout: str, psi: int, per_rank: list[float], exp: dict,
                        per_param: tuple, held: dict) -> None:
-        limit = exp["expected"] * (1 + self.states_tolerance)
-        over = [r for r, b in enumerate(per_rank) if b > limit]
+        expected = exp["expected_per_rank"]
+        over = [r for r, b in enumerate(per_rank) if b > expected[r] * (1 + self.states_tolerance)]
         n = len(per_rank)
+        straddle = (f", of which {exp['straddle'] / MB:.1f} MiB: ZeRO-2 keeps whole the gradients of parameters "
+                    "across a partition boundary") if exp["straddle"] else ""
         terms = (f"params {exp['params'] / MB:.1f} + grads {exp['grads'] / MB:.1f} + optimizer "
-                 f"{exp['optimizer'] / MB:.1f} + extra {exp['extra'] / MB:.1f} MiB")
+                 f"{exp['optimizer'] / MB:.1f} + extra {exp['extra'] / MB:.1f} MiB{straddle}")
         details = {"layout": layout, "psi": psi, "ranks": n, "bytes_per_param": per_param, "per_rank": per_rank,
-                   "expected": exp["expected"], "formula": exp["total"], "extra": exp["extra"],
+                   "expected": exp["expected"], "expected_per_rank": expected, "formula": exp["total"],
+                   "extra": exp["extra"], "straddle": exp["straddle"],
                    "rank0_by_root": held["by_root"], "rank0_largest": held["largest"]}
         held_txt = ", ".join(f"rank {r} {b / MB:.1f}" for r, b in enumerate(per_rank))
         buckets = max(held["buckets_per_rank"])
@@ -198,10 +210,10 @@ class MemoryMonitor(DebugCallback):
         bucket_txt = (f"; besides, communication buckets hold {buckets / MB:.1f} MiB per rank "
                       "(reduce/allgather_bucket_size)") if buckets else ""
         if over:
-            ratio = max(per_rank) / exp["expected"] if exp["expected"] else math.inf
+            ratio = max(b / e if e else math.inf for b, e in zip(per_rank, expected))
             self.report(trainer, "warning", "model_states_unexpected",
                         f"rank(s) {over} hold {ratio:.2f}x the model-state bytes {layout} should hold on {n} "
-                        f"rank(s) ({held_txt} MiB vs expected {exp['expected'] / MB:.1f} MiB = {terms}; "
+                        f"rank(s) ({held_txt} MiB vs expected {_per_rank_mib(expected)} MiB; rank 0: {terms}; "
                         f"Psi={psi}): states are not partitioned as configured{bucket_txt}",
                         advice="check the ZeRO stage really in effect (ds_config / strategy), "
                                "stage3_param_persistence_threshold, and tensors kept beside the optimizer; "
@@ -210,7 +222,7 @@ class MemoryMonitor(DebugCallback):
         else:
             self.report(trainer, "info", "model_states",
                         f"{layout} on {n} rank(s), Psi={psi}: held {held_txt} MiB vs expected "
-                        f"{exp['expected'] / MB:.1f} MiB ({terms}){bucket_txt}", details=details, rank=None)
+                        f"{_per_rank_mib(expected)} MiB (rank 0: {terms}){bucket_txt}", details=details, rank=None)
 
     # ---- OOM (the rank that ran out) ---------------------------------------------------------
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -246,3 +258,10 @@ class MemoryMonitor(DebugCallback):
             self.report(trainer, "info", "memory_summary",
                         f"{kind} per rank: " + ", ".join(f"rank {r} {b / GB:.2f} GB" for r, b in enumerate(peaks)),
                         details={"peak_bytes": peaks, "states": self._states}, rank=None)
+
+
+def _per_rank_mib(values: list[float]) -> str:
+    """One number when every rank expects the same, else one per rank."""
+    if max(values) - min(values) < 0.05 * MB:
+        return f"{values[0] / MB:.1f}"
+    return ", ".join(f"rank {r} {v / MB:.1f}" for r, v in enumerate(values))
