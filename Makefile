@@ -1,21 +1,26 @@
 # make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU) with debug=light.
 # make test:  set up .venv and run the fast tier (pytest -m "not slow"; <= 15 min on 2 cores).
 # make test-all: every test (CI runs it: .ci/run). Tiers, times, one test/one file: docs/testing.md.
-# On a CPU-only machine torch==2.13.0 is the CPU build (from the local wheel cache or
+# On a CPU-only machine constraints.txt's torch==2.13.0 is the CPU build (from the local wheel cache or
 # TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu). GPU users: see README.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
+# every extra (pyproject.toml): the training stack, its loggers/sweepers/launchers, the tests
+EXTRAS ?= train,wandb,sweep,slurm,hf,test
+# the CPU wheel when no torch is installed yet; a torch already there (a CUDA build) is kept
+TORCH_PIN := $(shell grep '^torch==' constraints.txt)
 
 .PHONY: setup train test test-all test-fast bench bench-full bench-comm clean-logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	grep -v '^torch==' constraints.txt > $(VENV)/constraints-but-torch.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints-but-torch.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP)

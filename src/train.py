@@ -33,7 +33,12 @@ def config_dir() -> Path:
 
 
 def main(entry: str | None = None) -> None:
-    import hydra
+    try:
+        import hydra
+    except ModuleNotFoundError as e:  # a core install: the checks and the report, not the training command
+        from dsdebug.errors import fail, missing_extra
+
+        fail(str(missing_extra(e, "dsdebug-train / train.py") or e))
 
     from dsdebug.trainer.cli import precheck_overrides, run
     from dsdebug.distributed.launch_env import detect

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from dsdebug.errors import ConfigError
+from dsdebug.errors import ConfigError, missing_extra
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,24 @@ def instantiate_section(conf, key: str, **kwargs):
         return obj
     except Exception as e:  # noqa: BLE001
         target = conf.get("_target_") if hasattr(conf, "get") else None
+        missing = missing_extra(e, _choice(key) or f"{key} ({target})")
+        if missing is not None:  # strategy=zero3 without deepspeed: which extra installs it
+            raise missing from e
         if isinstance(target, str):
             _raise_if_unknown_option(e, key, target)
         raise
+
+
+def _choice(key: str) -> str | None:
+    """``strategy=zero3`` for the section ``strategy`` when Hydra composed it (else None)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        group = key.split(".")[0]
+        choice = HydraConfig.get().runtime.choices.get(group)
+        return f"{group}={choice}" if choice and "." not in key else (key if choice else None)
+    except ValueError:  # not under Hydra
+        return None
 
 
 def _options(target: str) -> list[str]:

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from dsdebug.errors import ConfigError
 
@@ -227,6 +226,10 @@ def _find_root(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             break
         model = inner
+    try:  # a core install has no transformers (the moe_router check imports this module), no HF model either
+        from transformers import PreTrainedModel
+    except ImportError:
+        return model
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsdebug.errors import ConfigError, fail, is_out_of_memory
+from dsdebug.errors import ConfigError, fail, is_out_of_memory, missing_extra
 from dsdebug.errors import is_rank_zero as _is_rank_zero
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
     unsafe = _unsafe_pickle(e)
     if unsafe is not None:
         return "bad_input", 2, unsafe
-    config_error = find_config_error(e)
+    config_error = find_config_error(e) or missing_extra(e, "this run")
     if config_error is not None:
         log.debug("bad input", exc_info=True)
         return "bad_input", 2, str(config_error)

@@ -98,6 +98,10 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
     OPTIONS = ("communication_data_type", *ZERO_PLUS_PLUS)  # ours, taken from **kwargs (config/instantiate.py lists them)
 
     def __init__(self, config: str | dict | None = None, **kwargs: Any) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:  # named, so the error names the extra (errors.EXTRAS)
+            raise ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
         self._ds_config_source = config if isinstance(config, str) else None
         if isinstance(config, str):
             config = load_ds_config(config)
