@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.helpers.runs import REPO
 
 LAYERS = ["errors", "findings", "report", "models", "data", "distributed", "config", "checkpoint", "callbacks", "trainer",
-          "train"]
+          "doctor", "train"]
 
 
 def _module_name(path: Path, src: Path) -> str:

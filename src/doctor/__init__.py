@@ -1,0 +1,43 @@
+"""The preflight doctor: probes of the properties every correct training step has, run on the
+run's real model, data and strategy before it trains (``python train.py <overrides> doctor=true``).
+
+One probe per module; each works on a plain ``nn.Module`` + batch (or a ``TorchStepper``) without
+Hydra or Lightning, and ``DoctorCallback`` runs them all inside a Lightning fit:
+
+| probe | module | function |
+|---|---|---|
+| loss at initialisation vs ln(vocab) | ``init_loss`` | ``init_loss(net, batch)`` |
+| causality (net and labels) | ``causality`` | ``causality(net, batch)`` |
+| sample independence | ``sample_independence`` | ``sample_independence(net, batch)`` |
+| train/eval consistency | ``train_eval`` | ``train_eval(net, batch)`` |
+| optimizer coverage and gradient flow | ``coverage`` | ``coverage(stepper, batch)`` |
+| overfit one batch | ``overfit`` | ``overfit(stepper, batch)`` |
+| the run's plan | ``plan`` | ``run_plan(...)``, ``lr_curve(...)`` |
+| collectives | ``collectives`` | ``collectives()`` |
+| memory forecast | ``memory`` | ``forecast(...)`` |
+| checkpoint round trip | ``checkpoint`` | ``checkpoint_round_trip(stepper, batch, path)`` |
+
+Layering: above ``trainer`` (the entry builds the run with ``trainer.entry.build``); only the
+command's entry (``dsdebug.train``) imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["DoctorCallback", "ProbeResult", "TorchStepper", "StrategyStepper", "init_loss", "causality",
+           "sample_independence", "train_eval", "coverage", "overfit", "run_plan", "lr_curve", "collectives",
+           "forecast", "checkpoint_round_trip"]
+
+_WHERE = {"DoctorCallback": "callback", "ProbeResult": "result", "TorchStepper": "stepper",
+          "StrategyStepper": "stepper", "init_loss": "init_loss", "causality": "causality",
+          "sample_independence": "sample_independence", "train_eval": "train_eval", "coverage": "coverage",
+          "overfit": "overfit", "run_plan": "plan", "lr_curve": "plan", "collectives": "collectives",
+          "forecast": "memory", "checkpoint_round_trip": "checkpoint"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dsdebug.doctor.{_WHERE[name]}"), name)
+    raise AttributeError(name)

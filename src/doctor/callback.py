@@ -1,0 +1,288 @@
+"""`DoctorCallback`: the preflight doctor inside a Lightning fit. At ``on_fit_start`` (after the
+strategy wrapped the model and built the optimizer: the run's real DDP/DeepSpeed set-up) it runs
+every probe, gathers every rank's results, reports them as findings, then ends the fit before the
+first training step (nothing is trained, no checkpoint is kept).
+
+    trainer = L.Trainer(..., callbacks=[DoctorCallback()])
+    trainer.fit(module, datamodule)          # probes instead of training
+    callback.results                         # [ProbeResult], alike on every rank
+
+The command line does this for a run's overrides: ``python train.py <overrides> doctor=true``
+(``dsdebug.doctor.entry``).
+
+Probes, in order (docs/debugging.md "Preflight doctor"):
+
+| probe | where it runs | finding code |
+|---|---|---|
+| collectives | every rank (COLLECTIVE) | ``doctor/collectives`` |
+| init_loss, causality, sample_independence, train_eval | a rank-local copy of the net (ZeRO-3: gathered first) | ``doctor/<probe>`` |
+| coverage | one real step through the strategy (COLLECTIVE) | ``doctor/coverage`` |
+| plan, memory | arithmetic on the config and what the step measured | ``doctor/plan``, ``doctor/memory`` |
+| checkpoint (+ overfit between save and load) | the strategy's save/load and steps (COLLECTIVE) | ``doctor/checkpoint``, ``doctor/overfit`` |
+
+Severity: fail -> error, warn -> warning, pass/skip -> info. Every rank runs every probe in the same
+order (the collective ones included); a probe that raises becomes a fail naming the exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.doctor.causality import causality
+from dsdebug.doctor.checkpoint import checkpoint_round_trip
+from dsdebug.doctor.collectives import collectives
+from dsdebug.doctor.coverage import coverage
+from dsdebug.doctor.init_loss import init_loss
+from dsdebug.doctor.memory import device_bytes, forecast, model_states
+from dsdebug.doctor.overfit import overfit
+from dsdebug.doctor.plan import lr_curve, run_plan
+from dsdebug.doctor.result import ProbeResult, timed
+from dsdebug.doctor.sample_independence import sample_independence
+from dsdebug.doctor.stepper import StrategyStepper
+from dsdebug.doctor.train_eval import train_eval, without_dropout
+
+__all__ = ["DoctorCallback", "ORDER"]
+
+log = logging.getLogger(__name__)
+
+ORDER = ("collectives", "init_loss", "causality", "sample_independence", "train_eval", "coverage", "plan", "memory",
+         "overfit", "checkpoint")
+_SEVERITY = {"fail": "error", "warn": "warning", "pass": "info", "skip": "info"}
+_RANK_ORDER = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
+
+
+class DoctorCallback(DebugCallback):
+    """Runs the doctor's probes at ``on_fit_start`` and ends the fit (see the module docstring).
+
+    ``net_factory``: builds a fresh copy of ``pl_module.net`` (needed under ZeRO-3 for the local
+    probes; else the net is deep-copied). ``pretrained``: the weights are not a random init (a low
+    loss at init is expected). ``user_values``: config key -> the value the user asked for, compared
+    with what the run really uses (a silent adjustment becomes a warning naming the key).
+    ``workdir``: where the checkpoint round trip writes (a temp dir by default; shared by the ranks)."""
+
+    name = "doctor"
+
+    def __init__(self, net_factory: Callable[[], torch.nn.Module] | None = None, pretrained: bool = False,
+                 overfit_steps: int = 16, user_values: dict[str, Any] | None = None,
+                 workdir: str | Path | None = None, stop: bool = True) -> None:
+        super().__init__()
+        self.net_factory, self.pretrained, self.overfit_steps = net_factory, pretrained, overfit_steps
+        self.user_values = dict(user_values or {})
+        self.workdir, self.stop = workdir, stop
+        self.results: list[ProbeResult] = []
+
+    # ---- the fit hook ---------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        mine = self.run_probes(trainer, pl_module)  # every rank
+        self.results = _merge(_gather(mine), trainer.world_size)  # COLLECTIVE
+        for r in self.results:  # decided alike on every rank; rank 0 writes
+            if trainer.global_rank == 0:
+                self.report(trainer, _SEVERITY[r.status], r.probe, _line(r), r.advice if r.status in ("fail", "warn")
+                            else "", details={"status": r.status, "culprit": r.culprit, "seconds": r.seconds,
+                                              **r.details}, rank=r.details.get("rank"), step=None)
+        if self.stop:
+            from lightning.pytorch.utilities.exceptions import _TunerExitException
+
+            raise _TunerExitException()  # Lightning ends fit cleanly (status finished, teardown), no step taken
+
+    def run_probes(self, trainer: Any, pl_module: Any) -> list[ProbeResult]:
+        """Every probe, in ORDER, on this rank. COLLECTIVE (every rank, same order)."""
+        stepper = StrategyStepper(trainer, pl_module)
+        batch = self._batch(trainer)
+        out: list[ProbeResult] = [_guard("collectives", collectives)]
+        net = _guard_value(lambda: self._local_net(pl_module, stepper))  # COLLECTIVE under ZeRO-3
+        shifts = bool(getattr(pl_module, "shifts_labels", True))
+        for name, fn in (("init_loss", lambda: init_loss(net, batch, pretrained=self.pretrained)),
+                         ("causality", lambda: causality(net, batch, shifts_labels=shifts)),
+                         ("sample_independence", lambda: sample_independence(net, batch)),
+                         ("train_eval", lambda: train_eval(net, batch, copy_net=False))):
+            out.append(ProbeResult(name, "skip", "no local copy of the net (ZeRO-3 without a net factory)")
+                       if net is None else _guard(name, fn))
+        del net
+        cov, info = _guard_pair("coverage", lambda: coverage(stepper, batch))
+        out.append(cov)
+        out.append(_guard("plan", lambda: self._plan(trainer, pl_module, stepper, batch, info)))
+        out.append(_guard("memory", lambda: self._memory(trainer, pl_module, stepper)))
+        failed_cov = cov.culprit if cov.failed else ""
+        ckpt_dir = Path(self.workdir) if self.workdir else Path(tempfile.gettempdir()) / f"dsdebug-doctor-{id(self)}"
+        holder: dict[str, Any] = {}
+
+        def train() -> list[float]:
+            result = timed(overfit, stepper, batch, self.overfit_steps, coverage_failed=failed_cov)
+            holder["overfit"] = result
+            return result.details["losses"]
+
+        ck, _ = _guard_pair("checkpoint", lambda: checkpoint_round_trip(stepper, batch, str(ckpt_dir / "roundtrip.ckpt"),
+                                                                        train=train))
+        out.append(holder.get("overfit") or ProbeResult("overfit", "fail", "did not run: the checkpoint probe "
+                                                        "failed before it", "checkpoint"))
+        if "overfit" in holder:
+            ck.seconds = round(max(0.0, ck.seconds - holder["overfit"].seconds), 3)
+        out.append(ck)
+        if trainer.global_rank == 0:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        return out
+
+    # ---- inputs ---------------------------------------------------------------------
+    def _batch(self, trainer: Any) -> dict:
+        """This rank's first training batch (rank r takes batch r, as a sharded loader would)."""
+        loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else \
+            trainer.fit_loop._data_source.dataloader()
+        it = iter(loader)
+        batch = next(it)
+        for _ in range(trainer.global_rank):
+            batch = next(it, batch)
+        self._loader = loader
+        return batch
+
+    def _local_net(self, pl_module: Any, stepper: StrategyStepper) -> torch.nn.Module | None:
+        """A copy of the net this rank can run alone, with dropout off. COLLECTIVE under ZeRO-3."""
+        net = getattr(pl_module, "net", pl_module)
+        if stepper.stage == 3:
+            if self.net_factory is None:
+                return None
+            import deepspeed
+
+            named = list(net.named_parameters())
+            with deepspeed.zero.GatheredParameters([p for _, p in named]):
+                state = {n: p.detach().clone() for n, p in named}
+            state.update({n: b.detach().clone() for n, b in net.named_buffers()})
+            fresh = self.net_factory()
+            fresh.load_state_dict(state, strict=False)
+        elif self.net_factory is not None:
+            fresh = self.net_factory()
+            fresh.load_state_dict(net.state_dict(), strict=False)
+        else:
+            fresh = copy.deepcopy(net)
+        for (_, p), (_, q) in zip(net.named_parameters(), fresh.named_parameters()):
+            q.requires_grad_(p.requires_grad)
+        return without_dropout(fresh.to(pl_module.device))
+
+    def _plan(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, batch: dict, info: Any) -> ProbeResult:
+        opt = trainer.optimizers[0]
+        group = opt.param_groups[0]
+        lr = float(group.get("initial_lr", group["lr"]))
+        total = trainer.estimated_stepping_batches
+        total = int(total) if total != float("inf") else int(trainer.max_steps if trainer.max_steps > 0 else 1000)
+        factory = getattr(pl_module, "scheduler_factory", None)
+        make = (lambda o: factory(o, total_steps=total)) if factory is not None else None
+        lrs = lr_curve(make, lr, total)
+        loader = getattr(self, "_loader", None)
+        dataset = len(loader.dataset) if loader is not None and hasattr(loader.dataset, "__len__") else None
+        per_step = int(batch["input_ids"].shape[0]) * trainer.accumulate_grad_batches * trainer.world_size
+        labels = batch.get("labels", batch["input_ids"])[:, 1:]
+        fraction = float((labels != -100).float().mean()) if labels.numel() else None
+        return run_plan(lrs, lr, total, stepper.gradient_clip(), info.grad_norm if info is not None else None,
+                        dataset, per_step, fraction, self._adjustments(trainer, pl_module, stepper, lr, total, batch))
+
+    def _adjustments(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, lr: float, total: int,
+                     batch: dict) -> list[tuple[str, str]]:
+        """Keys whose value in use differs from what the user asked (``user_values``)."""
+        asked, out = self.user_values, []
+        if asked.get("optim.lr") is not None and abs(float(asked["optim.lr"]) - lr) > 1e-12 * max(1.0, lr):
+            out.append(("optim.lr", f"optim.lr={asked['optim.lr']} is used as {lr:.4g} (linear LR scaling: "
+                                    "optim.scale_lr_base_batch_size)"))
+        steps = asked.get("trainer.max_steps")
+        if isinstance(steps, int) and steps > 0 and total < steps:
+            out.append(("trainer.max_steps", f"trainer.max_steps={steps} but the run stops after {total} optimizer "
+                                             "steps (trainer.max_epochs or the data ends it first)"))
+        clip = asked.get("optim.grad_clip")
+        used = stepper.gradient_clip()
+        if clip is not None and (used or 0.0) != float(clip or 0.0):
+            out.append(("optim.grad_clip", f"optim.grad_clip={clip} but the strategy clips at {used} (a ds_config's "
+                                           "gradient_clipping wins)"))
+        seq = asked.get("data.seq_len")
+        if seq is not None and int(batch["input_ids"].shape[1]) != int(seq):
+            out.append(("data.seq_len", f"data.seq_len={seq} but batches hold {batch['input_ids'].shape[1]} tokens"))
+        limit = getattr(getattr(getattr(pl_module, "net", None), "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and int(batch["input_ids"].shape[1]) > limit:
+            out.append(("data.seq_len", f"sequences of {batch['input_ids'].shape[1]} tokens exceed the model's "
+                                        f"max_position_embeddings={limit}"))
+        acc = asked.get("trainer.accumulate_grad_batches")
+        if stepper.deepspeed and acc is not None:
+            ds_acc = (trainer.strategy.config or {}).get("gradient_accumulation_steps")
+            if ds_acc is not None and int(ds_acc) != int(acc):
+                out.append(("trainer.accumulate_grad_batches", f"trainer.accumulate_grad_batches={acc} but DeepSpeed "
+                                                               f"accumulates {ds_acc} micro-batches"))
+        return out
+
+    def _memory(self, trainer: Any, pl_module: Any, stepper: StrategyStepper) -> ProbeResult:
+        from dsdebug.callbacks.memory.footprint import oom_advice
+
+        states, layout = model_states(trainer.strategy, pl_module, trainer.world_size)
+        local = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        total, name = device_bytes(pl_module.device, local_ranks=local if pl_module.device.type == "cpu" else 1)
+        advice = oom_advice("forward", layout, False, self.user_values.get("data.batch_size"),
+                            self.user_values.get("data.seq_len"))
+        return forecast(states, stepper.activation_bytes[0], total, name,
+                        layout, advice)
+
+
+# ---- helpers: guarded probes, gathering ranks ----------------------------------------
+
+def _guard(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
+    try:
+        return timed(fn)
+    except Exception as e:  # noqa: BLE001 - a probe that crashes is a failed probe, not a crashed doctor
+        log.debug("doctor probe %s raised", name, exc_info=True)
+        return ProbeResult(name, "fail", f"the probe raised {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                           "<probe>", "fix the error above (it happens in the first step of a run too)")
+
+
+def _guard_pair(name: str, fn: Callable[[], tuple]) -> tuple[ProbeResult, Any]:
+    holder: list = []
+
+    def run() -> ProbeResult:
+        result, extra = fn()
+        holder.append(extra)
+        return result
+
+    result = _guard(name, run)
+    return result, (holder[0] if holder else None)
+
+
+def _guard_value(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001
+        log.warning("doctor: could not copy the net for the local probes", exc_info=True)
+        return None
+
+
+def _gather(results: list[ProbeResult]) -> list[list[ProbeResult]]:
+    """Every rank's results, on every rank. COLLECTIVE (one process: just its own)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [results]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, results)
+    return out
+
+
+def _merge(per_rank: list[list[ProbeResult]], world: int) -> list[ProbeResult]:
+    """One result per probe: the worst over ranks, naming the rank when the ranks disagree."""
+    merged = []
+    for i, first in enumerate(per_rank[0]):
+        candidates = [(r, results[i]) for r, results in enumerate(per_rank) if i < len(results)]
+        rank, worst = min(candidates, key=lambda c: _RANK_ORDER[c[1].status])
+        if len({c[1].status for c in candidates}) > 1 and world > 1:
+            worst.details["rank"] = rank
+            worst.message = f"rank {rank}: {worst.message}"
+        worst.seconds = max(c[1].seconds for c in candidates)
+        merged.append(worst)
+    return merged
+
+
+def _line(r: ProbeResult) -> str:
+    head = f"{r.status.upper()} {r.probe}"
+    culprit = f" [{r.culprit}]" if r.culprit else ""
+    return f"{head}{culprit}: {r.message}"

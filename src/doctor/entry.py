@@ -1,0 +1,92 @@
+"""``python train.py <the run's overrides> doctor=true``: build the run exactly as ``train`` does
+(same data, model, optimizer, strategy, launcher and ranks), run the doctor's probes at the start of
+fit (``DoctorCallback``) instead of training, print the verdict, write the probes as findings
+(``findings.jsonl``) plus ``metrics.json`` and the report, and exit 0 when every probe passes, 3
+(stopped by a check) when one fails.
+
+The run's debug checks (``callbacks.*`` under ``dsdebug.callbacks``) are left out: they judge
+training steps, and the doctor takes none of its own outside its probes; other callbacks (the
+user's) are kept. ``ckpt_path``/``resume`` are ignored: the doctor checks the run from its start.
+
+Rank awareness: as ``trainer.entry.train``: every rank runs this, Lightning starts the child ranks
+inside ``fit``; rank 0 writes the run dir files and prints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dsdebug.callbacks import is_debug_check
+from dsdebug.config.prepare import is_prepared
+from dsdebug.distributed.liveness import watch_parent
+from dsdebug.doctor.callback import DoctorCallback
+from dsdebug.doctor.verdict import print_verdict, summary_line
+from dsdebug.errors import StoppedByCheck
+from dsdebug.findings import Finding, configure_channel
+from dsdebug.findings.secrets import redact
+from dsdebug.report.finish import finish_run
+from dsdebug.trainer.entry import build
+
+__all__ = ["doctor"]
+
+log = logging.getLogger(__name__)
+
+
+def doctor(cfg: DictConfig) -> dict[str, Any]:
+    started = time.time()
+    if not is_prepared(cfg):
+        raise RuntimeError("doctor(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
+    watch_parent()
+    output_dir = Path(cfg.paths.output_dir)
+    configure_channel(output_dir)
+    L.seed_everything(cfg.seed, workers=True)
+    asked = _user_values(cfg)
+    with open_dict(cfg):
+        cfg.callbacks = {name: conf for name, conf in (cfg.get("callbacks") or {}).items()
+                         if not (isinstance(conf, DictConfig) and is_debug_check(str(conf.get("_target_", ""))))}
+    datamodule, module, trainer, _ = build(cfg)
+    net_cfg = cfg.model.net
+    pretrained = net_cfg.get("name_or_path") is not None
+    callback = DoctorCallback(net_factory=lambda: hydra.utils.instantiate(net_cfg), pretrained=pretrained,
+                              user_values=asked, workdir=output_dir / "doctor")
+    trainer.callbacks.append(callback)
+    if trainer.is_global_zero:
+        log.info("doctor: probing %s on %d rank(s) -> %s", type(trainer.strategy).__name__, trainer.world_size,
+                 output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+        (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    trainer.fit(module, datamodule=datamodule)
+    results = callback.results
+    failed = [r for r in results if r.failed]
+    seconds = round(time.time() - started, 2)
+    metrics = {"status": "doctor_failed" if failed else "doctor_passed", "doctor_time_s": seconds,
+               "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
+               "doctor": [asdict(r) for r in results]}
+    if trainer.is_global_zero:
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+        print_verdict(results, seconds)
+        if not failed:
+            finish_run(output_dir)  # a failed doctor's report is written by the CLI with crash.json
+    if failed:
+        first = failed[0]
+        raise StoppedByCheck(Finding("doctor", "error", first.probe, summary_line(results), first.advice))
+    return metrics
+
+
+def _user_values(cfg: DictConfig) -> dict[str, Any]:
+    """What the user asked for, before the build adjusts anything (prepare's LR scaling is undone
+    from ``optim.lr``, which prepare leaves as given)."""
+    def get(key: str) -> Any:
+        return OmegaConf.select(cfg, key, default=None)
+
+    return {key: get(key) for key in ("optim.lr", "optim.grad_clip", "trainer.max_steps", "data.seq_len",
+                                      "data.batch_size", "trainer.accumulate_grad_batches")}

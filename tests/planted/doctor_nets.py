@@ -1,0 +1,217 @@
+"""Planted bugs for the preflight doctor's probes (tests/doctor/), and healthy witnesses.
+
+Each net is a small causal LM (``forward(input_ids) -> logits [B, T, V]``) with one bug in one
+named module, so a probe must name that module. Runs name them by ``_target_``, e.g.
+``model.net._target_=tests.planted.doctor_nets.NoMaskLM``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Single-head self-attention; ``causal=False`` is the planted missing mask."""
+
+    def __init__(self, hidden: int, causal: bool = True) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=self.causal))
+
+
+class TinyCausalLM(nn.Module):
+    """Healthy: embedding -> pre-norm attention block -> MLP -> head (a random init near ln V)."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, causal: bool = True, **_: object) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, causal)
+        self.mix = nn.Identity()
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab_size)
+        nn.init.normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = h + self.attn(self.norm1(h))
+        h = self.mix(h)
+        h = h + self.mlp(self.norm2(h))
+        return self.head(h)
+
+
+class NoMaskLM(TinyCausalLM):
+    """Causality broken by attention without a causal mask: culprit ``attn`` (its inner op)."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden, causal=False)
+
+
+class LookAhead(nn.Module):
+    """Adds the next position's features (a roll the wrong way): a future-token leak."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.roll(x, shifts=-1, dims=1)
+
+
+class LookAheadLM(TinyCausalLM):
+    """Causality broken by a look-ahead after a causal attention: culprit ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = LookAhead()
+
+
+class TokenBatchNorm(nn.Module):
+    """BatchNorm over every token of the batch (statistics shared by all samples in train mode)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        return self.bn(x.reshape(b * t, h)).reshape(b, t, h)
+
+
+class BatchNormLM(TinyCausalLM):
+    """Samples coupled through batch statistics (and train != eval): culprit ``mix`` (its ``bn``)."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = TokenBatchNorm(hidden)
+
+
+class ViewMixer(nn.Module):
+    """A [B, T, H] tensor viewed as [T, B, H] (view instead of transpose), smoothed over the
+    'time' dim, viewed back: rows of different samples are mixed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        y = x.reshape(t, b, h)
+        y = y + 0.5 * torch.cat([y[:1], y[:-1]], dim=0)  # "previous time step" of the wrong axis
+        return y.reshape(b, t, h)
+
+
+class ViewMixLM(TinyCausalLM):
+    """Sample independence broken by a reshape mixing batch and sequence: culprit ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = ViewMixer()
+
+
+class HotHeadLM(TinyCausalLM):
+    """Logits far too large at init (head std 3 instead of 0.02): init loss far above ln V, culprit ``head``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        nn.init.normal_(self.head.weight, std=3.0)
+        nn.init.normal_(self.embed.weight, std=1.0)
+
+
+class ScaledDrop(nn.Module):
+    """A hand-written dropout (rate in ``rate``, not a 'dropout' attribute): train drops without
+    rescaling, eval scales by (1 - rate) -- the classic inverted-dropout mix-up."""
+
+    def __init__(self, rate: float = 0.3) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return x * (torch.rand_like(x) >= self.rate)
+        return x * (1 - self.rate)
+
+
+class HandDropLM(TinyCausalLM):
+    """Train and eval part at ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = ScaledDrop()
+
+
+class EvalNormalizer(nn.Module):
+    """Divides by a running variance that is only updated in train mode (0 at init): eval is inf/NaN."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("running_var", torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return x
+        return x / self.running_var.sqrt()
+
+
+class EvalNaNLM(TinyCausalLM):
+    """The eval forward is not finite; culprit ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = EvalNormalizer(hidden)
+
+
+class DeadBranchLM(TinyCausalLM):
+    """A trainable projection that never reaches the loss (its output is computed and dropped): no gradient."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.unused = nn.Linear(hidden, hidden)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        self.unused(h.detach())
+        return super().forward(input_ids)
+
+
+class InPlaceFrozenLM(TinyCausalLM):
+    """A frozen 'scale' parameter updated in place by forward (a running statistic kept as a parameter)."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.scale = nn.Parameter(torch.ones(hidden), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.99)
+        return super().forward(input_ids)
+
+
+class DropsFrozenFromStateDict(TinyCausalLM):
+    """A frozen embedding left out of state_dict (as some adapter savers do) and a non-strict load."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.embed.weight.requires_grad_(False)
+
+    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        sd = super().state_dict(*args, **kwargs)
+        return type(sd)((k, v) for k, v in sd.items() if not k.endswith("embed.weight"))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ANN001
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+
+def build_tiny_gpt2(vocab_size: int = 4096, hidden: int = 64, layers: int = 2, heads: int = 2,
+                    max_positions: int = 128, **_: object) -> nn.Module:
+    """A healthy HF family (GPT-2) from a config, random init: ``model.net._target_=...build_tiny_gpt2``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions)
+    return GPT2LMHeadModel(config)
