@@ -26,6 +26,10 @@ them back, in the container types the fresh check holds (a deque keeps its maxle
 rank 0's state and hands it to every rank, so only state every rank holds alike belongs there
 (values after an all-reduce, decisions taken on every rank): a rank's own memory baseline does not.
 
+Pickling (``ddp_spawn`` sends the callbacks to its processes): ``runtime_attrs`` names the
+process-bound attributes (threads, locks, log handlers, the Trainer) the copy leaves out (None);
+``setup`` builds them again, ``restore_runtime`` re-creates what ``__init__`` had set up.
+
 Standalone (a plain ``L.Trainer``, no framework): every check's ``setup`` first calls
 `attach_channel`, which points an unconfigured findings channel at
 ``<trainer.log_dir>/findings.jsonl`` (docs/standalone.md). Subclasses that define their own
@@ -44,6 +48,7 @@ from dsdebug.config.args import Rule, one_of
 from dsdebug.distributed.collectives import any_rank
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding, auto_configure, get_channel, needs_auto
+from dsdebug.findings.sinks import attach_dashboards
 
 __all__ = ["DebugCallback", "POLICIES", "any_rank"]
 
@@ -55,11 +60,19 @@ def attach_channel(trainer: Any) -> None:
 
     COLLECTIVE when it acts: ``trainer.log_dir`` broadcasts rank 0's logger version, so every rank
     calls this at the same point (each check's ``setup``, same callback order on every rank; the
-    decision ``needs_auto`` is alike on every rank). Under the framework (configure_channel) it
-    does nothing and costs nothing."""
-    if not isinstance(trainer, Trainer) or not needs_auto(trainer):
+    decision ``needs_auto`` is alike on every rank). Rank 0 also attaches the findings to the
+    Trainer's TensorBoard/W&B loggers (once per channel, under the framework too) and, in a plain
+    project, records how the run ends and its scalars for the report (``report/run_record.py``)."""
+    if not isinstance(trainer, Trainer):
         return  # not a real Trainer (a unit test's stand-in): the channel stays as it is
-    auto_configure(trainer.log_dir or trainer.default_root_dir, trainer)
+    if needs_auto(trainer):
+        channel = auto_configure(trainer.log_dir or trainer.default_root_dir, trainer)
+        if trainer.global_rank == 0:  # the findings on the user's dashboards; metrics.json + history.jsonl
+            from dsdebug.report.run_record import record_run
+
+            record_run(trainer, channel.path.parent, attach_dashboards(channel, trainer.loggers))
+    if trainer.global_rank == 0:  # under dsdebug-train too; idempotent (one sink per channel)
+        attach_dashboards(get_channel(), trainer.loggers)
 
 
 def _plain(value: Any) -> Any:
@@ -98,6 +111,9 @@ class DebugCallback(Callback):
     policies: ClassVar[tuple[str, ...]] = POLICIES
     #: ... and why one is missing (shown in the error)
     policy_note: ClassVar[str] = ""
+    #: process-bound objects (threads, locks, handlers, the Trainer) left out when the check is pickled
+    #: (``ddp_spawn`` sends callbacks to its processes); the copy holds None and re-creates them in setup
+    runtime_attrs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, on_error: str = "warn") -> None:
         self.check_args(on_error=(on_error, one_of(*self.policies, note=self.policy_note)))
@@ -124,6 +140,22 @@ class DebugCallback(Callback):
         for attr, value in state_dict.items():
             if attr in self.state_attrs:
                 setattr(self, attr, _like(getattr(self, attr, None), value))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process gets (``ddp_spawn``): everything but ``runtime_attrs`` (None there)."""
+        state = self.__dict__.copy()
+        for attr in self.runtime_attrs:
+            if attr in state:
+                state[attr] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.restore_runtime()
+
+    def restore_runtime(self) -> None:
+        """After unpickling, in the new process: re-create what construction set up (default: nothing;
+        what ``setup`` builds is built there again)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

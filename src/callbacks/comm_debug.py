@@ -55,6 +55,10 @@ class CommDebug(DebugCallback):
     before any callback hook runs). NCCL settings are inert on gloo; the watchdog, the flight
     recorder and comm timing work on both. The watchdogs talk through the rendezvous store, not
     the filesystem: run dirs local to each node are fine (each rank dumps into its own).
+    Without ``run_dir`` (a plain Lightning project) the run dir is ``trainer.default_root_dir``,
+    known at setup: the dump path is set and ``flight_recorder/`` made there (nothing is created
+    at construction), and NCCL logs to the console (it opens ``NCCL_DEBUG_FILE`` with its first
+    communicator, before any hook).
 
     ``python train.py +callbacks=comm_debug strategy=zero3 trainer=ddp_sim callbacks.comm_debug.hang_timeout_s=120``
 
@@ -74,6 +78,7 @@ class CommDebug(DebugCallback):
 
     name = "comm_debug"
     state_attrs = ()  # per-process: comm timing, byte counters, the watchdog thread and the live process group
+    runtime_attrs = ("tracker", "watchdog")  # a lock and a thread + store: built again in setup
     _fits = 0
 
     def __init__(self, run_dir: str | None = None, nccl_debug: str | None = "INFO", nccl_debug_subsys: str | None = None,
@@ -92,12 +97,14 @@ class CommDebug(DebugCallback):
             hang_timeout_s=(hang_timeout_s, seconds()),
             hang_poll_s=(hang_poll_s, number(0, open_low=True, note="seconds", finite=False)),
         )
-        self.run_dir = Path(run_dir) if run_dir else Path.cwd()
+        # None (a plain project): the run dir is the Trainer's default_root_dir, known at setup
+        self.run_dir = Path(run_dir) if run_dir else None
         self.collective_timeout_s = collective_timeout_s or None
         self.measure_comm = bool(measure_comm)
         self.hang_timeout_s, self.hang_poll_s = float(hang_timeout_s or 0), float(hang_poll_s)
         # Every rank, at construction: before the process group (and NCCL) exist, and before
         # rank 0 launches the children, which inherit os.environ and re-apply it here.
+        self._dump_on_timeout = bool(trace_buffer_size and dump_on_timeout)
         self.env = self._apply_env(nccl_debug, nccl_debug_subsys, nccl_debug_file, distributed_debug,
                                    async_error_handling, blocking_wait, trace_buffer_size, dump_on_timeout)
         self.tracker: CommTracker | None = None
@@ -111,16 +118,19 @@ class CommDebug(DebugCallback):
         want = {
             "NCCL_DEBUG": nccl_debug and str(nccl_debug).upper(),
             "NCCL_DEBUG_SUBSYS": subsys,
-            "NCCL_DEBUG_FILE": str(self.run_dir / "nccl_%h_%p.log") if nccl_debug and to_file else None,
+            # NCCL opens its log file with its first communicator, before any callback hook runs: without a
+            # run_dir given here, NCCL's lines go to the console (no files in the current directory)
+            "NCCL_DEBUG_FILE": str(self.run_dir / "nccl_%h_%p.log") if nccl_debug and to_file and self.run_dir
+            else None,
             "TORCH_DISTRIBUTED_DEBUG": dist_debug and str(dist_debug).upper(),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": None if async_eh is None else str(async_eh),
             "TORCH_NCCL_BLOCKING_WAIT": "1" if blocking else None,
             "TORCH_FR_BUFFER_SIZE": str(buffer) if buffer else None,  # was TORCH_NCCL_TRACE_BUFFER_SIZE
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if buffer and dump else None,
-            "TORCH_FR_DUMP_TEMP_FILE": str(dump_path(self.run_dir, "")) if buffer and dump else None,
+            # read when a dump is written, not when the group is made: without a run_dir it is set at setup
+            "TORCH_FR_DUMP_TEMP_FILE": str(dump_path(self.run_dir, "")) if buffer and dump and self.run_dir
+            else None,
         }
-        if want["TORCH_FR_DUMP_TEMP_FILE"]:  # NCCL's dump-on-timeout writes there, and needs the folder
-            dump_path(self.run_dir, "").parent.mkdir(parents=True, exist_ok=True)
         applied = {k: str(v) for k, v in want.items() if v is not None}
         self._env_before = {k: os.environ.get(k) for k in applied}  # restored at teardown
         os.environ.update(applied)
@@ -136,6 +146,14 @@ class CommDebug(DebugCallback):
             return
         import torch.distributed as dist
 
+        if self.run_dir is None:  # a plain project: the Trainer's dir, now that there is one
+            self.run_dir = Path(trainer.default_root_dir)
+            if self._dump_on_timeout:
+                self._env_before.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.environ.get("TORCH_FR_DUMP_TEMP_FILE"))
+                self.env["TORCH_FR_DUMP_TEMP_FILE"] = os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(
+                    dump_path(self.run_dir, ""))
+        if self._dump_on_timeout:  # NCCL's dump-on-timeout writes there, and needs the folder
+            dump_path(self.run_dir, "").parent.mkdir(parents=True, exist_ok=True)
         if self.collective_timeout_s and dist.is_available() and dist.is_initialized():
             timeout = timedelta(seconds=float(self.collective_timeout_s))
             dist.distributed_c10d._set_pg_timeout(timeout)  # the process group exists by now: set it there

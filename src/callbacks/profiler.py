@@ -85,6 +85,7 @@ class Profiler(DebugCallback):
     """
     name = "profiler"
     state_attrs = ()  # the profiler and its window belong to this process (every rank profiles itself)
+    runtime_attrs = ("_prof", "_trainer")  # torch's profiler and the Trainer: started again in the new process
 
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 3, repeat: int = 1, top_n: int = 15,
                  profile_memory: bool = True, record_shapes: bool = True, with_stack: bool = False,

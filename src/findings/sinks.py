@@ -10,6 +10,10 @@ The channel (channel.py) writes every finding to the console, the rank log and
   the end a ``findings`` table (``wandb.Table``: severity, check, code, step, rank, message,
   advice) holds every rank's findings.
 
+Who attaches it: the first check's ``setup`` (``callbacks/base.py attach_channel``), on rank 0,
+under ``dsdebug-train`` and in a plain Lightning project alike; ``dsdebug-train`` also calls it
+before fit (the same sink is returned: nothing is attached twice).
+
 Rank awareness: rank 0 only (``attach_dashboards`` is called there); no collective. Live,
 rank 0 forwards its own findings; ``finish`` (after fit, from ``findings.jsonl``) adds the other
 ranks' and the report's advisor findings, then the table. Text is redacted
@@ -113,7 +117,14 @@ class DashboardSink:
 
 def attach_dashboards(channel: FindingsChannel, loggers: Iterable[Any]) -> DashboardSink | None:
     """Rank 0: forward ``channel``'s findings to the loggers' dashboards from now on (and the ones
-    this process reported already, before the loggers existed). None when no logger has a dashboard."""
+    this process reported already, before the loggers existed). None when no logger has a dashboard.
+
+    Idempotent per channel: ``dsdebug-train`` calls it before fit and every check's ``setup`` calls it
+    again (so a plain Lightning project gets its dashboards too); the first sink is returned, never a
+    second one (each finding reaches a dashboard once)."""
+    for existing in channel.sinks:
+        if isinstance(existing, DashboardSink):
+            return existing
     sink = DashboardSink(list(loggers))
     if not sink.active:
         return None

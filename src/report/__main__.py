@@ -18,7 +18,8 @@ from dsdebug.report.sweep import _RUN_FILES, is_sweep_dir
 
 EXIT_BAD_INPUT = 2
 _VALID = ("a run dir (logs/train/runs/<time>/ with config_resolved.yaml, metrics.json, history.jsonl, "
-          "findings.jsonl or crash.json) or a sweep dir (logs/train/multiruns/<time>/ with job dirs 0/, 1/, ...)")
+          "findings.jsonl or crash.json), a plain Lightning run's dir with a findings.jsonl in a folder below it, "
+          "or a sweep dir (logs/train/multiruns/<time>/ with job dirs 0/, 1/, ...)")
 
 
 class BadInput(Exception):
@@ -34,6 +35,13 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / f).exists() for f in _RUN_FILES)
 
 
+def holds_findings(path: Path) -> bool:
+    """A plain Lightning project's dir: a findings.jsonl in a folder below it (a logger's version_<n>/)."""
+    from dsdebug.report.load import findings_files
+
+    return path.is_dir() and bool(findings_files(path))
+
+
 def _check(arg: str, name: str) -> Path:
     path = Path(arg)
     if not path.exists():
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m dsdebug.report", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", metavar="DIR", help="RUN_DIR, RUN_A RUN_B, or SWEEP_DIR")
     parser.add_argument("--out", help="output dir of a comparison (default: RUN_A/compare_<RUN_B name>/)")
+    run_report: Path | None = None
     try:
         args = parser.parse_args(argv)
         if len(args.paths) > 2:
@@ -54,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.paths) == 2:
             a, b = (_check(p, n) for p, n in zip(args.paths, ("RUN_A", "RUN_B")))
             for path, name in ((a, "RUN_A"), (b, "RUN_B")):
-                if not is_run_dir(path):
+                if not (is_run_dir(path) or holds_findings(path)):
                     raise BadInput(f"{name} '{path}' is not a run dir (none of {', '.join(_RUN_FILES)}); "
                                    "valid: two run dirs")
             out = Path(args.out) if args.out else a / f"compare_{b.resolve().name}"
@@ -70,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
             if is_run_dir(path):
                 from dsdebug.report.render import write_report
 
-                written = write_report(path)
+                written, run_report = write_report(path), path
             elif is_sweep_dir(path):
                 from dsdebug.report.sweep import sweep_index
 
                 written = sweep_index(path)
+            elif holds_findings(path):  # findings below it only (a plain project's logger folder)
+                from dsdebug.report.render import write_report
+
+                written, run_report = write_report(path), path
             else:
                 raise BadInput(f"'{path}' is neither a run dir nor a sweep dir; valid: {_VALID}")
     except BadInput as exc:
@@ -86,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for path in written:
         print(path)
+    if run_report is not None:  # say where the findings came from (never an all-clear without a file)
+        from dsdebug.report.load import findings_files
+
+        files = findings_files(run_report)
+        print(f"findings: {len(files)} file(s) read: {', '.join(map(str, files))}" if files else
+              f"findings: no findings.jsonl in {args.paths[0]} or below it: the report makes no claim about them",
+              file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 CRASH_FILE = "crash.json"
 HISTORY_FILE = "history.jsonl"
+FINDINGS_FILE = "findings.jsonl"
+METRICS_FILE = "metrics.json"
 
 
 @dataclass
@@ -19,6 +21,27 @@ class RunData:
     findings: list[dict[str, Any]] = field(default_factory=list)
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     crash: dict[str, Any] | None = None  # crash.json: exit code, error line, exception
+    # every findings.jsonl read (the run dir's own, then any in a folder below it: a plain Lightning
+    # project's logger writes it under e.g. tensorboard/version_0/); empty: none was found
+    findings_files: list[Path] = field(default_factory=list)
+    # where metrics.json/history.jsonl were read: the run dir, else the folder of a findings file below it
+    record_dir: Path | None = None
+
+    @property
+    def plain(self) -> bool:
+        """A plain Lightning run (the checks in a user's own Trainer), not a ``dsdebug-train`` run."""
+        if self.metrics.get("runner") is not None:
+            return self.metrics["runner"] == "lightning"
+        # older or logger-less plain runs: findings but none of dsdebug-train's files (config, crash.json)
+        return not self.config and self.crash is None and bool(self.findings_files)
+
+    def artifact_dirs(self) -> list[Path]:
+        """Where the checks' own files (repro/, profiler/, data_inspector/) may be: the run dir, the
+        record dir, and a plain run's ``default_root_dir`` (metrics.json ``root_dir``)."""
+        dirs = [Path(self.path), *([self.record_dir] if self.record_dir else [])]
+        if isinstance(self.metrics.get("root_dir"), str):
+            dirs.append(Path(self.metrics["root_dir"]))
+        return list(dict.fromkeys(dirs))
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = self.history.get(key, [])
@@ -119,6 +142,31 @@ def read_ranks(run_dir: str | Path) -> tuple[dict[str, Any] | None, dict[int, di
     return (world if isinstance(world, dict) and isinstance(world.get("ranks"), list) else None), heard
 
 
+def findings_files(run_dir: str | Path) -> list[Path]:
+    """``<run_dir>/findings.jsonl`` first, then every ``findings.jsonl`` in a folder below it (a logger's
+    subfolder: ``lightning_logs/version_0/``, ``tensorboard/version_0/``), in path order."""
+    run_dir = Path(run_dir)
+    top = run_dir / FINDINGS_FILE
+    below = sorted(p for p in run_dir.rglob(FINDINGS_FILE) if p != top and p.is_file())
+    return ([top] if top.is_file() else []) + below
+
+
+def read_findings(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every record of every file; with several files each record names its file (``source``)."""
+    findings = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                if len(paths) > 1:
+                    record.setdefault("source", str(path.parent))
+                findings.append(record)
+    return findings
+
+
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     config: dict[str, Any] = {}
@@ -131,18 +179,15 @@ def load_run(run_dir: str | Path) -> RunData:
         except Exception:  # noqa: BLE001 - a file cut by a crash: report what else is there
             loaded = None
         config = loaded if isinstance(loaded, dict) else {}
-    findings = []
-    fpath = run_dir / "findings.jsonl"
-    if fpath.is_file():
-        for line in fpath.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                findings.append(record)
-    metrics, crash = _json(run_dir / "metrics.json"), _json(run_dir / CRASH_FILE)
+    files = findings_files(run_dir)
+    # metrics.json / history.jsonl: the run dir's (dsdebug-train), else beside the newest findings file below
+    # it (a plain Lightning run writes them there: report/run_record.py)
+    record_dir = run_dir
+    if not any((run_dir / f).is_file() for f in (METRICS_FILE, HISTORY_FILE)) and files:
+        record_dir = max(files, key=lambda p: p.stat().st_mtime).parent
+    metrics, crash = _json(record_dir / METRICS_FILE), _json(run_dir / CRASH_FILE)
     return RunData(
-        path=run_dir, config=config, metrics=metrics if isinstance(metrics, dict) else {}, findings=findings,
-        history=read_history(run_dir), crash=crash if isinstance(crash, dict) else None,
+        path=run_dir, config=config, metrics=metrics if isinstance(metrics, dict) else {},
+        findings=read_findings(files), history=read_history(record_dir), crash=crash if isinstance(crash, dict) else None,
+        findings_files=files, record_dir=record_dir,
     )

@@ -50,16 +50,26 @@ def _finite(steps: list[int], values: list[float]) -> tuple[list[int], list[floa
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
+def loss_key(run: RunData, split: str) -> str:
+    """``<split>/loss``, else a plain project's own name for it (``train_loss``, ``train/loss_step``, ...)."""
+    key = f"{split}/loss"
+    if key in run.history:
+        return key
+    names = sorted(k for k in run.history if k.startswith(split) and "loss" in k)
+    return min(names, key=len) if names else key
+
+
 def loss(run: RunData) -> bytes | None:
-    train, val = _finite(*run.series("train/loss")), _finite(*run.series("val/loss"))
+    train_key, val_key = loss_key(run, "train"), loss_key(run, "val")
+    train, val = _finite(*run.series(train_key)), _finite(*run.series(val_key))
     if not train[0] and not val[0]:
         return None
     fig = _figure()
     ax = fig.add_subplot(111)
     if train[0]:  # a short run logs a few points: markers, or a single point draws nothing
-        ax.plot(*train, label="train/loss", color="tab:blue", lw=1.2, marker="o" if len(train[0]) < 12 else None, ms=3)
+        ax.plot(*train, label=train_key, color="tab:blue", lw=1.2, marker="o" if len(train[0]) < 12 else None, ms=3)
     if val[0]:
-        ax.plot(*val, label="val/loss", color="tab:orange", marker="o", ms=3, lw=1.2)
+        ax.plot(*val, label=val_key, color="tab:orange", marker="o", ms=3, lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     lines, labels = ax.get_legend_handles_labels()
@@ -222,6 +232,9 @@ def _plots_moe():
 def moe_missing(run: RunData) -> str:
     """Why a run has no MoE figure, from what metrics.json says about its model (``moe``)."""
     moe = run.metrics.get("moe")
+    if run.plain and not isinstance(moe, dict):
+        return ("moe/* is logged by dsdebug's own LM module; for a plain project's MoE model add MoERouter() to the "
+                "Trainer's callbacks (its figure is below)")
     if not isinstance(moe, dict):
         return ("moe/* is logged when the model has MoE routers (model.moe_metrics=true, the default); "
                 "this run logged none and left no metrics.json saying whether its model has routers")
@@ -237,19 +250,48 @@ def moe_missing(run: RunData) -> str:
             "the loggers (the run ended before its first logged step)")
 
 
+def how_to_enable(run: RunData, preset: str, check: str, cls: str, what: str = "metrics") -> str:
+    """How to get what a missing figure needs, in the run's own vocabulary: ``debug=<preset>`` under
+    dsdebug-train, the callback class in a plain Lightning project; when the check ran (its findings
+    are there) but its metrics are not, why."""
+    if not run.plain:
+        return f"enable debug={preset} ({check})"
+    if any(f.get("check") == check for f in run.findings):
+        if run.metrics.get("loggers") == []:
+            return (f"{cls} ran (its findings are above) but the Trainer had no logger (logger=False), so its "
+                    f"{what} went nowhere; give the Trainer a logger (TensorBoardLogger, CSVLogger, ...)")
+        if not run.history:
+            return (f"{cls} ran (its findings are above) but no history.jsonl was found beside the findings "
+                    "(dsdebug records it when the Trainer has a logger)")
+        return f"{cls} ran (its findings are above) but logged no {what}: the run was shorter than its every_n_steps?"
+    return f"add {cls}() to the Trainer's callbacks (from dsdebug.callbacks import {cls})"
+
+
+def _enable(preset: str, check: str, cls: str, what: str = "metrics") -> Callable[[RunData], str]:
+    return lambda run: how_to_enable(run, preset, check, cls, what)
+
+
+def _comm_missing(run: RunData) -> str:
+    if run.plain:
+        return " or ".join(how_to_enable(run, p, c, k, "comm times") for p, c, k in (
+            ("logs", "log_sync", "LogSync"), ("comm", "comm_debug", "CommDebug")))
+    return ("enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler), or "
+            "\"wall_clock_breakdown\": true in a ds_config.json")
+
+
 # name -> (title, figure, how to record it when missing: text, or a function of the run saying why)
 FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[[RunData], str]]] = {
     "loss": ("Loss and learning rate", loss,
              "no train/loss in history.jsonl (the run stopped before its first logged step, or predates it)"),
-    "grad_norms": ("Gradient norm per layer", grad_norms, "enable debug=grads (grad_monitor)"),
-    "rank_step_time": ("Step time per rank", rank_step_time, "enable debug=logs (log_sync)"),
-    "rank_memory": ("Memory per rank", rank_memory, "enable debug=logs (log_sync)"),
+    "grad_norms": ("Gradient norm per layer", grad_norms, _enable("grads", "grad_monitor", "GradMonitor",
+                                                                  "per-layer norms")),
+    "rank_step_time": ("Step time per rank", rank_step_time, _enable("logs", "log_sync", "LogSync", "step times")),
+    "rank_memory": ("Memory per rank", rank_memory, _enable("logs", "log_sync", "LogSync", "memory")),
     "moe_load": ("MoE expert load", moe_load, moe_missing),
     "moe_router": ("MoE router: token share per expert", lambda run: _plots_moe().router_share(run),
-                   "enable +callbacks=moe_router (MoE models; the share is written when training ends)"),
-    "comm_compute": ("Communication vs compute", comm_compute,
-                     "enable debug=logs (log_sync), debug=comm (comm_debug) or debug=profile (profiler), or "
-                     "\"wall_clock_breakdown\": true in a ds_config.json"),
+                   lambda run: ("add MoERouter() to the Trainer's callbacks" if run.plain else "enable "
+                                "+callbacks=moe_router") + " (MoE models; the share is written when training ends)"),
+    "comm_compute": ("Communication vs compute", comm_compute, _comm_missing),
 }
 
 

@@ -79,6 +79,7 @@ class LogSync(DebugCallback):
 
     name = "log_sync"
     state_attrs = ()  # straggler streaks name ranks of this job's hosts; the named-ranks set is rank 0's own
+    runtime_attrs = ("buffer", "tracker")  # a log handler (with its lock) on this process's root logger
 
     def __init__(self, every_n_steps: int = 10, straggler_factor: float = 1.3, straggler_min_excess_s: float = 0.05,
                  straggler_patience: int = 2, warmup_steps: int = 2, timeline: bool = True, log_level: str = "INFO",
@@ -100,9 +101,7 @@ class LogSync(DebugCallback):
         self.tracker: CommTracker | None = None
         self.clock: StepClock | None = None
         self.buffer: _LineBuffer | None = None
-        if self.timeline:  # from construction on (every rank builds its callbacks): setup logs included
-            self.buffer = _LineBuffer(getattr(logging, self.log_level), self.max_lines)
-            logging.getLogger().addHandler(self.buffer)
+        self._start_buffer()
         self.offsets: list[float] = [0.0]
         self.hosts: list[str] = []
         self.flagged: set[int] = set()
@@ -111,6 +110,14 @@ class LogSync(DebugCallback):
         # the first steps are not representative: allocations, lazy init, and DDP's bucket
         # rebuild in step 2 (a C++ broadcast that no Python hook sees, so waiting looks like compute)
         self._warmup = warmup_steps
+
+    def _start_buffer(self) -> None:
+        if self.timeline:  # from construction on (every rank builds its callbacks): setup logs included
+            self.buffer = _LineBuffer(getattr(logging, self.log_level), self.max_lines)
+            logging.getLogger().addHandler(self.buffer)
+
+    def restore_runtime(self) -> None:
+        self._start_buffer()  # a spawned process (ddp_spawn) collects its own lines from here on
 
     def _reset_window(self) -> None:
         self._n, self._step_s, self._comm_s, self._loss, self._first_step = 0, 0.0, 0.0, None, None

@@ -88,6 +88,7 @@ class Reproducibility(DebugCallback):
                  replay_steps: int = 2, sample_size: int = 4096, on_error: str = "warn") -> None:
         super().__init__(on_error)
         self.check_args(
+    runtime_attrs = ("_trainer", "_orig_showwarning")  # set again in setup
             seed=(seed, optional(integer(0, 2**32 - 1), "the run's seed")),
             hash_seed=(hash_seed, integer(0, 2**32 - 1)),
             replay_steps=(replay_steps, integer(0, 2**32 - 1)),
