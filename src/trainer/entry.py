@@ -127,7 +127,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
         # after the refusal point: a refused attempt must leave no dashboard files behind
         dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
-        _print_header(cfg, output_dir)
+        _print_header(cfg, output_dir, module)
         settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
         _write_config(cfg, output_dir, trainer)
     # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
@@ -155,18 +155,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 tokenizer_dir=pretrained.local_dir if pretrained is not None else None,
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        report = finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
+        finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
         if dashboards is not None:  # every rank's findings and the advisor's, then W&B's findings table
             dashboards.finish(channel.read_all())
         _print_summary(metrics, output_dir)
-        channel.print_summary(report, metrics.get("status"))  # incidents, then the verdict line, report path last
+        channel.print_summary()
     if channel.stop_request is not None:
         raise StoppedByCheck(channel.stop_request)
     return metrics
 
 
-def _print_header(cfg: DictConfig, output_dir: Path) -> None:
-    """What this run is, in a few lines: group choices, then every debug knob (torchtitan style)."""
+def _print_header(cfg: DictConfig, output_dir: Path, module: Any = None) -> None:
+    """What this run is, in a few lines: group choices, then every debug knob (torchtitan style).
+    The model is the class that was built (``model.net._target_`` may point away from the group's net)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -175,6 +176,11 @@ def _print_header(cfg: DictConfig, output_dir: Path) -> None:
                           if choices.get(g) is not None)
     except ValueError:  # not under Hydra (tests calling train() directly)
         picked = ""
+    net = getattr(module, "net", None)
+    if net is not None:  # "model=deepseek_v3_tiny" alone would name the group's net, not an overridden one
+        built = f"net={type(net).__name__}"
+        picked = f"{picked} {built}".strip() if "model=" not in picked else picked.replace(
+            f"model={choices['model']}", f"model={choices['model']} {built}", 1)
     log.info("run: %s -> %s", picked, output_dir)
     for name, conf in (cfg.get("callbacks") or {}).items():
         if isinstance(conf, DictConfig) and is_debug_check(str(conf.get("_target_", ""))):
