@@ -114,34 +114,34 @@ class FindingsChannel:
                 continue  # a rank killed mid-write leaves at most one broken last line
         return out
 
-    def summary_table(self):
-        """A rich Table of all findings, errors first; None when there are none."""
-        from rich.table import Table
+    def summary_lines(self, report: str | Path | None = None, status: str | None = None) -> list[str]:
+        """The end of a run on the console: the incidents (warnings and errors grouped by cause, the
+        root cause first, the other findings as its evidence: ``incidents.py``), then ONE verdict line
+        with the report path last. Info findings are not listed: they live in the report."""
+        from dsdebug.findings.incidents import group, verdict
 
         records = self.read_all()
-        if not records:
-            return None
-        order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
-        records.sort(key=lambda r: (order.get(r["severity"], 9), r.get("step") or 0))
-        table = Table(title=f"findings ({len(records)})", show_lines=False)
-        for col in ("severity", "check/code", "step", "rank", "message", "advice"):
-            table.add_column(col, overflow="fold")
-        style = {"error": "bold red", "warning": "yellow", "info": "dim"}
-        for r in records:
-            table.add_row(r["severity"], f"{r['check']}/{r['code']}", str(r.get("step", "")),
-                          "all" if r.get("rank") is None else str(r["rank"]), r["message"], r.get("advice", ""),
-                          style=style.get(r["severity"]))
-        return table
+        incidents = group(records)
+        lines = [f"incidents ({len(incidents)}), root cause first; every finding: findings.jsonl and the report"
+                 ] if incidents else []
+        for incident in incidents:
+            lines.append(f"{incident.severity.upper():8}{incident.title()}  [{incident.source()}]")
+            lines.append(f"        {incident.root.get('message', '')}")
+            if incident.root.get("advice"):
+                lines.append(f"        -> {incident.root['advice']}")
+            if incident.evidence:
+                lines.append(f"        also seen as: {incident.evidence_text()}")
+        lines.append(verdict(records, str(report) if report else None, status))
+        return lines
 
-    def print_summary(self) -> None:
+    def print_summary(self, report: str | Path | None = None, status: str | None = None) -> None:
         from rich.console import Console
+        from rich.text import Text
 
-        table = self.summary_table()
-        console = Console(stderr=True)
-        if table is None:
-            console.print("findings: none")
-        else:
-            console.print(table)
+        console = Console(stderr=True, soft_wrap=True, highlight=False)  # lines as written, no 80-column wrap
+        for line in self.summary_lines(report, status):
+            style = "bold red" if line.startswith("ERROR") else "yellow" if line.startswith("WARNING") else None
+            console.print(Text(line, style=style))
 
 
 _channel = FindingsChannel(origin="default")

@@ -90,6 +90,14 @@ class Document:
         self.md += ["<details><summary>" + html.escape(summary) + "</summary>", "", "```yaml", text.rstrip(),
                     "```", "", "</details>", ""]
 
+    def fold(self, summary: str) -> None:
+        """What follows, up to ``unfold()``, is collapsed under ``summary`` in the HTML (markdown: a bold line)."""
+        self.html.append(f"<details><summary>{html.escape(summary)}</summary>")
+        self.md += [f"**{summary}**", ""]
+
+    def unfold(self) -> None:
+        self.html.append("</details>")
+
     def pre(self, text: str) -> None:
         self.html.append(f"<pre>{html.escape(text)}</pre>")
         self.md += ["```", text.rstrip(), "```", ""]

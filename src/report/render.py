@@ -137,8 +137,10 @@ def _findings(doc: Document, run: RunData) -> None:
         return
     counts = {s: sum(1 for f in found if f.get("severity") == s) for s in SEVERITY_ORDER}
     doc.para(", ".join(f"{n} {s}" for s, n in counts.items()))
+    _incidents(doc, found)
     groups = [(s, [f for f in found if f.get("severity") == s]) for s in SEVERITY_ORDER]
     groups.append(("other", [f for f in found if f.get("severity") not in SEVERITY_ORDER]))
+    doc.fold(f"every finding ({len(found)}), by severity")  # the incidents above are the view; these the records
     for severity, group in groups:
         if not group:
             continue
@@ -147,6 +149,7 @@ def _findings(doc: Document, run: RunData) -> None:
                  "all" if f.get("rank") is None else f.get("rank"), f.get("message"), f.get("advice")]
                 for f in group]
         doc.table(["check/code", "step", "rank", "message", "advice"], rows, [severity] * len(rows))
+    doc.unfold()
 
 
 def _figures(doc: Document, run: RunData) -> None:
@@ -219,8 +222,40 @@ SECTIONS = [("Run summary", _summary), ("Findings", _findings), ("Figures", _fig
             ("Profiler: top ops", _top_ops), ("Environment across ranks", _env), ("Resolved config", _config)]
 
 
+def _banner(doc: Document, run: RunData) -> None:
+    """The verdict the run's console ended with (findings/incidents.py), first thing in the report."""
+    from dsdebug.findings.incidents import verdict
+
+    read = bool(getattr(run, "findings_files", None)) or (Path(run.path) / "findings.jsonl").is_file()
+    found = all_findings(run)
+    if not read and not run.findings:
+        doc.para("verdict: not known: no findings file was read (see Findings)", "bad")
+        return
+    text = verdict(found, status=None if run.status == "unknown" else run.status)
+    doc.para(text, "ok" if text.startswith("verdict: healthy") else "bad")
+
+
+def _incidents(doc: Document, found: list[dict[str, Any]]) -> None:
+    """Warnings and errors grouped by cause: one row per incident, its root cause first, the other
+    findings as evidence with counts (every finding is still in the tables below and findings.jsonl)."""
+    from dsdebug.findings.incidents import group
+
+    incidents = group(found)
+    if not incidents:
+        return
+    doc.heading(f"incidents ({len(incidents)}): root cause first", 3)
+    rows = [[i.title(), i.source(), i.step, "all" if i.rank is None else i.rank, i.root.get("message"),
+             i.root.get("advice"), i.evidence_text() or "-"] for i in incidents]
+    doc.table(["incident", "root finding", "step", "rank", "message", "advice", "also seen as"], rows,
+              [i.severity for i in incidents])
+
+
 def build(run: RunData) -> Document:
     doc = Document(f"Run report: {Path(run.path).name}")
+    try:
+        _banner(doc, run)
+    except Exception:  # noqa: BLE001 - the sections below still say what is known
+        log.warning("report: verdict failed", exc_info=True)
     for title, section in SECTIONS:
         doc.heading(title)
         try:

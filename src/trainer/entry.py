@@ -155,11 +155,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 tokenizer_dir=pretrained.local_dir if pretrained is not None else None,
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
+        report = finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
         if dashboards is not None:  # every rank's findings and the advisor's, then W&B's findings table
             dashboards.finish(channel.read_all())
         _print_summary(metrics, output_dir)
-        channel.print_summary()
+        channel.print_summary(report, metrics.get("status"))  # incidents, then the verdict line, report path last
     if channel.stop_request is not None:
         raise StoppedByCheck(channel.stop_request)
     return metrics

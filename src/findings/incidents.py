@@ -1,0 +1,206 @@
+"""Incidents: the findings that share one cause, grouped, with the root cause first.
+
+One NaN is seen by several checks (nan_triage reruns the step and names the module, grad_monitor
+sees every gradient non-finite, loss_spike sees a non-finite loss, the report's advisor sees the
+loss curve diverge) and, when the update is applied, again at every later step; one hang is seen
+by several ranks. A person should read ONE line for it, naming where it arose. This module turns
+finding records (``findings.jsonl`` dicts, every rank's) into incidents; the console's end-of-run
+table, the verdict line and the report all read them from here. ``findings.jsonl`` keeps every
+record: grouping is a view, never a filter on what is written.
+
+Grouping (warnings and errors only; info findings are not incidents):
+
+- a **cause** per finding (``cause_of``): ``nonfinite`` (NaN/Inf in loss or gradients, whichever
+  check saw it), ``hang`` (a hang, a collective timeout or a dead rank, from any rank), else the
+  finding's own ``check/code`` (repeats of one finding collapse into one incident);
+- the **root** of an incident: the finding that is not derived from others (the report's advisor
+  rules read the same curves: never the root while a check's own finding exists), then the
+  earliest step, then the check that localises the cause (nan_triage's rerun names the first
+  module in forward order; grad_monitor only sees that every gradient went bad), then the module
+  first in forward order (``details.forward_index``), then the origin rank;
+- the **evidence**: every other finding of the incident, collapsed by ``check/code`` with a count,
+  the steps and the ranks.
+
+Ground floor: plain dicts in, plain data out; no torch, no rich (the renderers format).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+__all__ = ["Evidence", "Incident", "cause_of", "group", "verdict"]
+
+SEVERITY_RANK = {"error": 0, "warning": 1}
+
+# (check, code) -> cause; codes a check emits only for non-finite values or hangs
+_CAUSES: dict[tuple[str, str], str] = {
+    ("nan_triage", "nan_reproducible"): "nonfinite", ("nan_triage", "nan_transient"): "nonfinite",
+    ("nan_triage", "nan_step"): "nonfinite", ("grad_monitor", "nonfinite_grad"): "nonfinite",
+    ("mixed_precision", "loss_scale_min"): "nonfinite", ("advisor", "mixed_precision_unstable"): "nonfinite",
+    ("comm_debug", "hang"): "hang", ("liveness", "rank_died"): "hang", ("advisor", "nccl_timeout"): "hang",
+    ("hang_watchdog", "hang"): "hang", ("hang_watchdog", "hang_detected"): "hang",
+}
+# who localises a cause best (lower = better root), per cause
+_ROOT_ORDER: dict[str, tuple[str, ...]] = {
+    "nonfinite": ("nan_triage", "grad_monitor", "mixed_precision", "loss_spike"),
+    "hang": ("liveness", "comm_debug", "hang_watchdog"),
+}
+_TITLES = {"nonfinite": "non-finite values", "hang": "hang"}
+DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
+
+
+def _nonfinite_value(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.lower() in ("nan", "inf", "-inf")
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def cause_of(record: dict[str, Any]) -> str:
+    """The cause a finding belongs to: ``nonfinite``, ``hang`` or its own ``check/code``."""
+    check, code = str(record.get("check")), str(record.get("code"))
+    known = _CAUSES.get((check, code))
+    if known:
+        return known
+    details = record.get("details") if isinstance(record.get("details"), dict) else {}
+    message = str(record.get("message", ""))
+    if check == "loss_spike" and (_nonfinite_value(details.get("loss")) or "non-finite" in message):
+        return "nonfinite"
+    if check == "advisor" and code == "loss_diverging" and "non-finite" in message:
+        return "nonfinite"
+    return f"{check}/{code}"
+
+
+@dataclass
+class Evidence:
+    """One ``check/code`` of an incident's other findings, its repeats collapsed."""
+    check: str
+    code: str
+    severity: str
+    count: int
+    steps: list[int]
+    ranks: list[int]
+    message: str
+
+    def text(self) -> str:
+        steps = sorted(set(self.steps))
+        where = "" if not steps else (f" step {steps[0]}" if len(steps) == 1 else f" steps {steps[0]}-{steps[-1]}")
+        ranks = f", rank(s) {','.join(map(str, sorted(set(self.ranks))))}" if self.ranks else ""
+        return f"{self.check}/{self.code} x{self.count}{where}{ranks}"
+
+
+@dataclass
+class Incident:
+    cause: str
+    severity: str
+    root: dict[str, Any]
+    evidence: list[Evidence] = field(default_factory=list)
+    count: int = 1  # findings in the incident, root included
+
+    @property
+    def step(self) -> int | None:
+        return self.root.get("step")
+
+    @property
+    def rank(self) -> int | None:
+        return self.root.get("rank")
+
+    @property
+    def where(self) -> str | None:
+        """Where it arose, as the root finding names it: a module, 'the loss', a layer or parameter."""
+        details = self.root.get("details") if isinstance(self.root.get("details"), dict) else {}
+        if details.get("module"):
+            return str(details["module"])
+        if details.get("arose_in") == "loss":
+            return "the loss"
+        for key in ("layer", "param", "parameter"):
+            if details.get(key):
+                return str(details[key])
+        return None
+
+    def title(self) -> str:
+        """A few words: what, from which step, where, on which rank."""
+        what = _TITLES.get(self.cause) or f"{self.root.get('check')}/{self.root.get('code')}"
+        text = what + (f" from step {self.step}" if self.step is not None and self.count > 1 else
+                       f" at step {self.step}" if self.step is not None else " at setup")
+        if self.where:
+            text += f" in {self.where}"
+        if self.rank is not None:
+            text += f" on rank {self.rank}"
+        return text
+
+    def source(self) -> str:
+        return f"{self.root.get('check')}/{self.root.get('code')}"
+
+    def evidence_text(self) -> str:
+        return "; ".join(e.text() for e in self.evidence)
+
+    def sort_key(self) -> tuple:
+        step = self.step
+        return (SEVERITY_RANK.get(self.severity, 9), step if isinstance(step, int) else -1)
+
+
+def _root_key(cause: str, record: dict[str, Any]) -> tuple:
+    order = _ROOT_ORDER.get(cause, ())
+    check = record.get("check")
+    details = record.get("details") if isinstance(record.get("details"), dict) else {}
+    step, rank = record.get("step"), record.get("rank")
+    forward = details.get("forward_index")
+    return (check in DERIVED_CHECKS,
+            step if isinstance(step, int) else math.inf,
+            order.index(check) if check in order else len(order),
+            not details.get("module"),
+            forward if isinstance(forward, int) else math.inf,
+            rank if isinstance(rank, int) else math.inf,
+            SEVERITY_RANK.get(record.get("severity"), 9),
+            record.get("time") or 0.0)
+
+
+def group(records: Iterable[dict[str, Any]]) -> list[Incident]:
+    """Warnings and errors -> incidents, errors first, then by first step."""
+    by_cause: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("severity") in SEVERITY_RANK:
+            by_cause.setdefault(cause_of(record), []).append(record)
+    incidents = []
+    for cause, members in by_cause.items():
+        ordered = sorted(members, key=lambda r: _root_key(cause, r))
+        root, rest = ordered[0], ordered[1:]
+        collapsed: dict[tuple[str, str], Evidence] = {}
+        for r in rest:
+            key = (str(r.get("check")), str(r.get("code")))
+            e = collapsed.get(key)
+            if e is None:
+                e = collapsed[key] = Evidence(key[0], key[1], str(r.get("severity")), 0, [], [], str(r.get("message")))
+            e.count += 1
+            if isinstance(r.get("step"), int):
+                e.steps.append(r["step"])
+            if isinstance(r.get("rank"), int):
+                e.ranks.append(r["rank"])
+            if SEVERITY_RANK.get(r.get("severity"), 9) < SEVERITY_RANK.get(e.severity, 9):
+                e.severity = str(r.get("severity"))
+        severity = min((str(r.get("severity")) for r in members), key=lambda s: SEVERITY_RANK.get(s, 9))
+        incidents.append(Incident(cause, severity, root, list(collapsed.values()), len(members)))
+    return sorted(incidents, key=Incident.sort_key)
+
+
+def verdict(records: list[dict[str, Any]], report: str | None = None, status: str | None = None) -> str:
+    """The one line a run ends with (and the report opens with): healthy, or N incidents and the
+    worst in a few words; the report path last. A run that did not complete (``status``) is never
+    called healthy."""
+    incidents = group(records)
+    info = sum(1 for r in records if r.get("severity") not in SEVERITY_RANK)
+    ended = "" if status in (None, "completed") else f"{status}; "
+    if not incidents:
+        text = (f"healthy: no warning or error ({info} info finding(s) in the report)" if not ended else
+                f"{ended}no check reported a warning or error")
+    else:
+        errors = sum(1 for i in incidents if i.severity == "error")
+        counts = ", ".join(f"{n} {s}{'s' if n > 1 else ''}" for s, n in (("error", errors),
+                                                                         ("warning", len(incidents) - errors)) if n)
+        worst = incidents[0]
+        more = f", {worst.count - 1} related finding(s)" if worst.count > 1 else ""
+        text = (f"{ended}{len(incidents)} incident{'s' if len(incidents) > 1 else ''} ({counts}); worst: "
+                f"{worst.title()} [{worst.source()}{more}]")
+    return f"verdict: {text}" + (f"; report: {report}" if report else "")
