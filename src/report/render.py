@@ -25,6 +25,12 @@ TOP_OPS_ROWS = 15
 
 
 def command(run: RunData) -> str:
+    """What was run: metrics.json's ``command`` (rank 0's argv, a plain Lightning run), else dsdebug-train's
+    overrides (``.hydra/overrides.yaml``)."""
+    if isinstance(run.metrics.get("command"), str):
+        return run.metrics["command"]
+    if run.plain:
+        return "unknown (a plain Lightning run that left no metrics.json)"
     overrides = read_overrides(run.path)
     if overrides is None:
         return "unknown (no .hydra/overrides.yaml)"
@@ -95,6 +101,8 @@ def _summary(doc: Document, run: RunData) -> None:
     if moe_line(run):
         pairs.append(("MoE", moe_line(run)))
     pairs += ranks_fields(run)
+    if m.get("error") and run.crash is None:  # a plain Lightning run that raised (report/run_record.py)
+        pairs.append(("error", f"!{m['error']}"))
     if run.crash is not None:
         pairs.append(("exit code", f"!{run.crash.get('exit_code')}"))
         pairs.append(("error", f"!{run.crash.get('error') or run.crash.get('exception') or 'unknown'}"))
@@ -130,10 +138,39 @@ def ranks_fields(run: RunData) -> list[tuple[str, str]]:
     return fields
 
 
+def findings_source(run: RunData) -> tuple[str, bool]:
+    """Where the findings were looked for and read, and whether any findings file was read."""
+    files = run.findings_files
+    if not files:
+        return (f"no findings file: none named findings.jsonl in {run.path} or any folder below it, so nothing "
+                "here says whether the checks found anything (were checks in the run? is this the run's dir?)"), False
+    shown = [str(p.relative_to(run.path)) if p.is_relative_to(run.path) else str(p) for p in files]
+    if len(files) == 1:
+        return f"read {shown[0]} (searched {run.path} and every folder below it)", True
+    return (f"{len(files)} findings files merged (one per fit or logger folder; each row's source names its folder): "
+            f"{', '.join(shown)}"), True
+
+
+def _source(run: RunData, finding: dict[str, Any]) -> str:
+    source = finding.get("source")
+    if not source:
+        return "advisor" if finding.get("check") == rules.CHECK else ""
+    path = Path(source)
+    return str(path.relative_to(run.path)) if path.is_relative_to(run.path) else source
+
+
 def _findings(doc: Document, run: RunData) -> None:
     found = all_findings(run)
+    where, read = findings_source(run)
+    if not read:  # never an all-clear that no file backs
+        doc.para(where, "bad")
+    else:
+        doc.note(where)
     if not found:
-        doc.note("no findings: no check reported anything (debug=light or debug=full enables more checks)")
+        if read:
+            enable = ("add more checks to the Trainer's callbacks (dsdebug.callbacks)" if run.plain
+                      else "debug=light or debug=full enables more checks")
+            doc.note(f"no findings: no check reported anything ({enable})")
         return
     counts = {s: sum(1 for f in found if f.get("severity") == s) for s in SEVERITY_ORDER}
     doc.para(", ".join(f"{n} {s}" for s, n in counts.items()))
@@ -145,10 +182,12 @@ def _findings(doc: Document, run: RunData) -> None:
         if not group:
             continue
         doc.heading(f"{severity} ({len(group)})", 3)
+        several = len(run.findings_files) > 1
         rows = [[f"{f.get('check')}/{f.get('code')}", f.get("step"),
                  "all" if f.get("rank") is None else f.get("rank"), f.get("message"), f.get("advice")]
-                for f in group]
-        doc.table(["check/code", "step", "rank", "message", "advice"], rows, [severity] * len(rows))
+                + ([_source(run, f)] if several else []) for f in group]
+        doc.table(["check/code", "step", "rank", "message", "advice"] + (["source"] if several else []), rows,
+                  [severity] * len(rows))
     doc.unfold()
 
 
@@ -167,10 +206,19 @@ def _figures(doc: Document, run: RunData) -> None:
             doc.image(name, title, png)
 
 
+def _first(read: Any, run: RunData) -> Any:
+    """What ``read`` finds in the first of the run's artifact dirs that has it (plain runs: default_root_dir)."""
+    for folder in run.artifact_dirs():
+        found = read(folder)
+        if found:
+            return found
+    return read(run.path)
+
+
 def _top_ops(doc: Document, run: RunData) -> None:
-    tables = read_top_ops(run.path)
+    tables = _first(read_top_ops, run)
     if not tables:
-        doc.note("not recorded: enable debug=profile (profiler)")
+        doc.note(f"not recorded: {plots.how_to_enable(run, 'profile', 'profiler', 'Profiler', 'top-ops tables')}")
         return
     for stem, record in tables.items():
         rows = [r for r in record["rows"] if isinstance(r, dict)][:TOP_OPS_ROWS]
@@ -189,9 +237,10 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _env(doc: Document, run: RunData) -> None:
-    repro = read_repro(run.path)
+    repro = _first(read_repro, run)
     if not repro:
-        doc.note("not recorded: enable debug=repro (reproducibility writes repro/rank<r>.json)")
+        doc.note(f"not recorded: {plots.how_to_enable(run, 'repro', 'reproducibility', 'Reproducibility', 'repro/rank<r>.json')}"
+                 + ("" if run.plain else " (reproducibility writes repro/rank<r>.json)"))
         return
     ranks = sorted(repro)
     flat = {r: {k: v for k, v in flatten(repro[r]).items() if k not in _REPRO_SKIP} for r in ranks}
@@ -212,6 +261,14 @@ def _env(doc: Document, run: RunData) -> None:
 
 def _config(doc: Document, run: RunData) -> None:
     path = Path(run.path) / "config_resolved.yaml"
+    if not path.is_file() and run.plain:  # dsdebug composes no config here; a Hydra app's own is shown
+        hydra_cfg = Path(run.path) / ".hydra" / "config.yaml"
+        if hydra_cfg.is_file():
+            doc.details(".hydra/config.yaml (the project's own Hydra config)", hydra_cfg.read_text(errors="replace"))
+        else:
+            doc.note("none: a plain Lightning run has no config_resolved.yaml (dsdebug-train writes it); "
+                     "the Trainer's hyperparameters are with its logger (e.g. hparams.yaml)")
+        return
     if not path.is_file():
         doc.note("not recorded: config_resolved.yaml is missing (the run stopped before composing it)")
         return
