@@ -51,7 +51,7 @@ def main(entry: str | None = None) -> None:
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="train")
     def task(cfg):
         # a submitit job runs this function, pickled, under its own argv
-        return run(cfg, script=os.environ.get(ENV_ENTRY))
+        return run(cfg, script=os.environ.get(ENV_ENTRY), train_fn=_doctor_if_asked(cfg))
 
     sys.argv[1:] = main_argv()  # torchrun / srun / deepspeed: one run dir for every rank of the job
     # our own child ranks were started from a checked config; an external launcher's were not
@@ -59,6 +59,20 @@ def main(entry: str | None = None) -> None:
     if os.environ.get("LOCAL_RANK", "0") == "0" or detect() is not None:
         precheck_overrides(sys.argv[1:], conf, "train")
     task()
+
+
+def _doctor_if_asked(cfg):
+    """``doctor=true``: the preflight doctor (src/doctor/) runs instead of training."""
+    value = cfg.get("doctor", False)
+    if value is False or value is None:
+        return None
+    if value is not True:
+        from dsdebug.errors import fail
+
+        fail(f"doctor={value!r} is invalid; valid: true, false")
+    from dsdebug.doctor.entry import doctor
+
+    return doctor
 
 
 if __name__ == "__main__":

@@ -53,13 +53,13 @@ def causality(net: torch.nn.Module, batch: dict, cut: int | None = None, shifts_
         return None if rows is None else rows[:, :cut]
 
     if out_diff:
-        where = first_divergence(base.records, moved.records, early)
-        module = where[0] if where else "<net>"
+        found = first_divergence(base, moved, early)
+        module, place = (found[0], found[2]) if found else ("<net>", "in the net")
         first_pos = _first_position(logits, logits2, cut)
-        details.update(module=module, max_abs_diff=out_diff, first_position=first_pos)
+        details.update(module=module, where=place, max_abs_diff=out_diff, first_position=first_pos)
         return ProbeResult(
             NAME, "fail", f"the output at position {first_pos} changes when only tokens at positions >= {cut} "
-            f"change: the model sees the future; the dependence first appears in {module}", module,
+            f"change: the model sees the future; the dependence first appears {place}", module,
             f"make {module} causal: a causal attention mask (is_causal=True / a lower-triangular mask), "
             "no look-ahead along the sequence (roll/shift/conv/pooling over positions > t)", details)
     if leak is not None:

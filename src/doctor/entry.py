@@ -4,9 +4,9 @@ fit (``DoctorCallback``) instead of training, print the verdict, write the probe
 (``findings.jsonl``) plus ``metrics.json`` and the report, and exit 0 when every probe passes, 3
 (stopped by a check) when one fails.
 
-The run's debug checks (``callbacks.*`` under ``dsdebug.callbacks``) are left out: they judge
-training steps, and the doctor takes none of its own outside its probes; other callbacks (the
-user's) are kept. ``ckpt_path``/``resume`` are ignored: the doctor checks the run from its start.
+The run's configured callbacks from dsdebug (debug checks, checkpointing, progress bar) and
+Lightning (model summary, LR monitor) are left out: they judge or show training steps, and the doctor takes none outside its
+probes; the user's own callbacks are kept. ``ckpt_path``/``resume`` are ignored: the doctor checks the run from its start.
 
 Rank awareness: as ``trainer.entry.train``: every rank runs this, Lightning starts the child ranks
 inside ``fit``; rank 0 writes the run dir files and prints."""
@@ -24,7 +24,6 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dsdebug.callbacks import is_debug_check
 from dsdebug.config.prepare import is_prepared
 from dsdebug.distributed.liveness import watch_parent
 from dsdebug.doctor.callback import DoctorCallback
@@ -50,8 +49,7 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     asked = _user_values(cfg)
     with open_dict(cfg):
-        cfg.callbacks = {name: conf for name, conf in (cfg.get("callbacks") or {}).items()
-                         if not (isinstance(conf, DictConfig) and is_debug_check(str(conf.get("_target_", ""))))}
+        cfg.callbacks = {name: conf for name, conf in (cfg.get("callbacks") or {}).items() if _keeps(conf)}
     datamodule, module, trainer, _ = build(cfg)
     net_cfg = cfg.model.net
     pretrained = net_cfg.get("name_or_path") is not None
@@ -80,6 +78,15 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
         first = failed[0]
         raise StoppedByCheck(Finding("doctor", "error", first.probe, summary_line(results), first.advice))
     return metrics
+
+
+def _keeps(conf: Any) -> bool:
+    """The user's own callbacks stay; the framework's (debug checks, checkpointing, progress bar) and
+    Lightning's utilities (model summary, LR monitor) go: nothing to judge, show or keep before a run."""
+    if not isinstance(conf, DictConfig):
+        return False
+    target = str(conf.get("_target_", ""))
+    return bool(target) and not target.startswith(("dsdebug.", "lightning."))
 
 
 def _user_values(cfg: DictConfig) -> dict[str, Any]:

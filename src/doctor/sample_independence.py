@@ -54,12 +54,12 @@ def sample_independence(net: torch.nn.Module, batch: dict, train_mode: bool = Tr
                     rows = rows_positions(x, b, t)
                     return None if rows is None else rows[keep]
 
-                where = first_divergence(base.records, moved.records, others)
-                module = where[0] if where else "<net>"
-                details.update(module=module, max_abs_diff=out_diff, changed_sample=j)
+                found = first_divergence(base, moved, others)
+                module, place = (found[0], found[2]) if found else ("<net>", "in the net")
+                details.update(module=module, where=place, max_abs_diff=out_diff, changed_sample=j)
                 return ProbeResult(
                     NAME, "fail", f"other samples change when only sample {j} changes: samples of a batch "
-                    f"leak into each other, first in {module}", module,
+                    f"leak into each other, first {place}", module,
                     f"{module} must treat samples independently: no normalisation over the batch (BatchNorm -> "
                     "LayerNorm/RMSNorm), no reshape/view that mixes batch and sequence dims (transpose, then "
                     "reshape)", details)

@@ -54,6 +54,12 @@ def saved_tensor_bytes(out: list[int]) -> Iterator[None]:
         yield
 
 
+def _peak(optimizer: Any) -> None:
+    """Each param group at its peak LR (``initial_lr``, which torch schedulers record)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group.get("initial_lr", group["lr"])
+
+
 class TorchStepper:
     """A plain training step: ``loss_fn(model, batch) -> loss``; clipping by global norm at ``clip``."""
 
@@ -62,6 +68,7 @@ class TorchStepper:
                  clip: float | None = None) -> None:
         self.model, self.optimizer, self.loss_fn, self.scheduler, self.clip = model, optimizer, loss_fn, scheduler, clip
         self.activation_bytes = [0]
+        self.hold_peak_lr = False  # True: every step at each group's peak LR, the schedule paused (overfit)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.model.named_parameters())
@@ -74,6 +81,8 @@ class TorchStepper:
 
     def step(self, batch: dict, grads: bool = False, measure: bool = False) -> StepInfo:
         self.model.train()
+        if self.hold_peak_lr:
+            _peak(self.optimizer)
         lr = self.lr()
         self.optimizer.zero_grad(set_to_none=True)
         if measure:
@@ -89,7 +98,7 @@ class TorchStepper:
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
-        if self.scheduler is not None:
+        if self.scheduler is not None and not self.hold_peak_lr:
             self.scheduler.step()
         return info
 
@@ -134,6 +143,7 @@ class StrategyStepper:
         self.layout, self.stage = layout_of(trainer.strategy)
         self.deepspeed = hasattr(trainer.strategy, "deepspeed_engine")
         self.steps = 0  # optimizer steps taken by the probes
+        self.hold_peak_lr = False  # True: every step at each group's peak LR, the schedule paused (overfit)
 
     def _name(self, n: str) -> str:
         return n[len(self.prefix):] if self.prefix and n.startswith(self.prefix) else n
@@ -185,6 +195,8 @@ class StrategyStepper:
         strategy = self.trainer.strategy
         optimizer = self.trainer.optimizers[0]
         self.module.train()
+        if self.hold_peak_lr:
+            _peak(optimizer)
         lr = self.lr()
         batch = strategy.batch_to_device(batch)
         with self._quiet_logging():
@@ -208,7 +220,7 @@ class StrategyStepper:
             optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         total = self.trainer.estimated_stepping_batches
-        if self.steps < total:  # a run never steps its schedule past its end (the overfit probe may take more steps)
+        if self.steps < total and not self.hold_peak_lr:  # a run never steps its schedule past its end
             for config in self.trainer.lr_scheduler_configs:
                 if config.interval == "step":
                     config.scheduler.step()

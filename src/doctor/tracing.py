@@ -47,6 +47,7 @@ class ModuleTrace:
     def __init__(self, net: nn.Module, prefix_strip: str = "") -> None:
         self.net, self.prefix_strip = net, prefix_strip
         self.records: list[tuple[tuple[str, int], torch.Tensor]] = []
+        self.inputs: dict[tuple[str, int], torch.Tensor] = {}  # the first floating input of each call
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
 
@@ -68,6 +69,9 @@ class ModuleTrace:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             self.records.append(((name, n), t.detach().float().clone()))
+            x = first_tensor(inputs)
+            if x is not None and x.is_floating_point():
+                self.inputs[(name, n)] = x.detach().float().clone()
         return hook
 
 
@@ -85,13 +89,15 @@ def differs(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4, atol: float = 
     return diff if diff > atol + rtol * scale else 0.0
 
 
-def first_divergence(base: list, other: list, select: Callable[[torch.Tensor], torch.Tensor | None],
-                     rtol: float = 1e-4, atol: float = 1e-5) -> tuple[str, float] | None:
+def first_divergence(base: "ModuleTrace", other: "ModuleTrace", select: Callable[[torch.Tensor], torch.Tensor | None],
+                     rtol: float = 1e-4, atol: float = 1e-5) -> tuple[str, float, str] | None:
     """The first module (completion order of ``base``) whose ``select``-ed output differs between
-    two traces: (name, max abs difference), or None. ``select`` returns None for outputs it cannot
-    place (shape it does not know): those are not compared."""
-    others = dict(other)
-    for key, a in base:
+    two traces: (culprit, max abs difference, where). ``select`` returns None for outputs it cannot
+    place (shape it does not know): those are not compared. When that module's input differs
+    already, the difference arose in the code that feeds it (its parent's forward, between its
+    children): the culprit is the parent, ``where`` says before which child."""
+    others = dict(other.records)
+    for key, a in base.records:
         b = others.get(key)
         if b is None:
             continue
@@ -99,8 +105,16 @@ def first_divergence(base: list, other: list, select: Callable[[torch.Tensor], t
         if sa is None or sb is None:
             continue
         d = differs(sa, sb, rtol, atol)
-        if d:
-            return key[0], d
+        if not d:
+            continue
+        name = key[0]
+        xa, xb = base.inputs.get(key), other.inputs.get(key)
+        sxa = select(xa) if xa is not None else None
+        sxb = select(xb) if xb is not None else None
+        if sxa is not None and sxb is not None and differs(sxa, sxb, rtol, atol) and name != "<net>":
+            parent = name.rsplit(".", 1)[0] if "." in name else "<net>"
+            return parent, d, f"in {parent}'s forward, before {name}"
+        return name, d, f"in {name}"
     return None
 
 

@@ -58,9 +58,9 @@ def train_eval(net: nn.Module, batch: dict, copy_net: bool = True, seed: int = 0
                            "untrained value, a branch on self.training)", details)
     diff = differs(train_out, eval_out, rtol=1e-3, atol=1e-4)
     if diff:
-        where = first_divergence(train_trace.records, eval_trace.records, lambda x: x, rtol=1e-3, atol=1e-4)
-        module = where[0] if where else "<net>"
-        details.update(module=module, max_abs_diff=diff)
+        found = first_divergence(train_trace, eval_trace, lambda x: x, rtol=1e-3, atol=1e-4)
+        module = found[0] if found else "<net>"
+        details.update(module=module, where=found[2] if found else "in the net", max_abs_diff=diff)
         kind = type(dict(probe.named_modules()).get(module, probe)).__name__
         return ProbeResult(
             NAME, "fail", f"train and eval forwards differ (max |diff| {diff:.3g}) with dropout off; they part "

@@ -171,9 +171,10 @@ def _record_crash(status: str, code: int, error: str, exc: BaseException) -> Non
         finish_run(run_dir)
 
 
-def run(cfg: Any, script: str | None = None) -> float | None:
+def run(cfg: Any, script: str | None = None, train_fn: Any = None) -> float | None:
     """The Hydra task function: a multirun job is run in its own process tree (``script``: the
-    entry point to run it with; a submitit job process has submitit's argv)."""
+    entry point to run it with; a submitit job process has submitit's argv). ``train_fn``: what
+    runs instead of ``trainer.entry.train`` (the preflight doctor, chosen by the entry above us)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -190,6 +191,7 @@ def run(cfg: Any, script: str | None = None) -> float | None:
         prepare(cfg)  # validates first, before the heavy imports: bad input fails in ~1 s
         from dsdebug.trainer.entry import train
 
+        train = train_fn or train
         quiet_console()  # after importing lightning: its import may add a console handler of its own
         from dsdebug.trainer.allocator import tune_malloc
 
