@@ -20,6 +20,12 @@ if importlib.util.find_spec("dsdebug") is None:  # not installed (make setup ins
     sys.modules["dsdebug"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["dsdebug"])
 
+# from here on a preemption signal (SIGUSR1/SIGTERM) is recorded, not fatal: a run stopped while it
+# starts ends as `preempted` (src/distributed/startup_signals.py); before the heavy imports below
+from dsdebug.distributed.startup_signals import record_from_now  # noqa: E402
+
+record_from_now()
+
 from dsdebug.train import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -69,6 +69,17 @@ def missing_extra(exc: BaseException | None, what: str) -> ConfigError | None:
     return None
 
 
+class PreemptedAtStartup(Exception):
+    """A preemption signal arrived before the first step (distributed/startup_signals.py): the run
+    ends as ``preempted`` with nothing to save, exit 0; the same command starts it again."""
+
+    exit_code = EXIT_OK
+
+    def __init__(self, signal_name: str, stage: str) -> None:
+        self.signal_name, self.stage = signal_name, stage
+        super().__init__(f"{signal_name} received {stage}")
+
+
 def is_rank_zero() -> bool:
     """Before any process group: the env vars Lightning's rank_zero_only reads, without importing it."""
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))

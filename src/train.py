@@ -33,6 +33,9 @@ def config_dir() -> Path:
 
 
 def main(entry: str | None = None) -> None:
+    from dsdebug.distributed.startup_signals import record_from_now
+
+    record_from_now()  # a preemption signal while the run starts is recorded (train.py did it already)
     try:
         import hydra
     except ModuleNotFoundError as e:  # a core install: the checks and the report, not the training command

@@ -142,6 +142,8 @@ class FinalCheckpoint(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         pre = self.preemption
+        if pre is not None and pre.before_first_step:
+            return  # preempted while starting: nothing trained, nothing to save (self.path stays None)
         if pre is not None and pre.path is not None and pre.step == trainer.global_step:
             self.path = pre.path  # preempted: that checkpoint is the final one, don't spend grace time
             return

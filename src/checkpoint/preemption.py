@@ -8,6 +8,9 @@ inside the signal handler (a collective that can interleave with one already in 
 - the handler only records the signal; nothing runs inside it;
 - at every optimizer-step boundary the ranks agree (one all-reduce of a flag) whether any rank
   got a signal, so they all stop at the same step even when only one was signalled;
+- a signal recorded while the run was starting (``distributed/startup_signals.py``: from the
+  entry point's first line) is taken over; at ``on_train_start`` the ranks agree on it once, and
+  fit ends before its first step (nothing to save, the same ``preempted`` finding and status);
 - then every rank saves ``checkpoints/preempt_step_<N>.ckpt`` (manifest + verify, see
   ``integrity.py``), a ``preempted`` finding names the signal and step, and fit ends;
   ``train.py`` skips the exports and exits 0; the same command with ``resume=auto`` in the same
@@ -30,6 +33,7 @@ import torch
 from lightning.pytorch import Callback
 
 from dsdebug.distributed.collectives import any_rank
+from dsdebug.distributed import startup_signals
 from dsdebug.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class PreemptionCheckpoint(Callback):
         self.received: int | None = None
         self.path: Path | None = None  # the preemption checkpoint, once written
         self.step: int | None = None
+        self.before_first_step = False  # stopped at on_train_start: a signal while the run was starting
         self._last_step = -1
         self._rng_to_restore: dict[str, Any] | None = None
 
@@ -78,7 +83,8 @@ class PreemptionCheckpoint(Callback):
 
         def register() -> None:  # replaces Lightning's, keeping its restore-on-teardown
             connector.received_sigterm = False
-            connector._original_handlers = connector._get_current_signal_handlers()
+            # the start-up recorder is not put back after fit: the signal's default action is
+            connector._original_handlers = startup_signals.take_over(connector._get_current_signal_handlers())
             for signum in self.signals:
                 signal.signal(signum, self._on_signal)
 
@@ -87,6 +93,34 @@ class PreemptionCheckpoint(Callback):
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
+
+    @property
+    def stopped(self) -> bool:
+        """This fit ended on a preemption signal (with a checkpoint, or before its first step)."""
+        return self.path is not None or self.before_first_step
+
+    def _stop_before_first_step(self, trainer: Any) -> bool:
+        """A signal while the run was starting (imports, DeepSpeed init, an op build) on any rank:
+        every rank stops before the first step; the newest checkpoint, if any, is where it resumes."""
+        if self.received is None and startup_signals.received() in self.signals:
+            self.received = startup_signals.received()
+        if not any_rank(trainer, self.received is not None):  # collective, once per fit
+            return False
+        from dsdebug.findings import Finding, get_channel
+
+        self.before_first_step, self.step = True, trainer.global_step
+        if trainer.is_global_zero:
+            name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
+            get_channel().report(Finding(
+                check="preemption", severity="warning", code="preempted",
+                message=f"{name} received while the run was starting; stopped before the first step "
+                        f"(step {trainer.global_step}), nothing to save",
+                advice="run the same command again (resume=auto in this run dir continues from its newest "
+                       "checkpoint, if an earlier attempt left one)",
+                step=trainer.global_step, details={"signal": name, "stage": "start of fit", "checkpoint": None},
+            ))
+        trainer.should_stop = True
+        return True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.signals or trainer.global_step == self._last_step:
@@ -132,6 +166,8 @@ class PreemptionCheckpoint(Callback):
         self._trainer = trainer
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.signals and self._stop_before_first_step(trainer):
+            return
         # restore last, after Lightning's own setup drew from the RNGs
         if self._rng_to_restore is None:
             return

@@ -35,6 +35,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from dsdebug.distributed import startup_signals
 from dsdebug.distributed._liveness_state import _describe, _report, state
 
 __all__ = ["LivenessCallback", "state", "watch_children", "watch_parent", "dead_rank_message", "parent_gone_message",
@@ -239,10 +240,15 @@ def _guard_sigterm() -> None:
     survivor can still name the dead rank; the hold ends after SIGTERM_HOLD_S at the latest."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+    current = signal.getsignal(signal.SIGTERM)
+    if current not in (signal.SIG_DFL, None) and not startup_signals.is_recorder(current):
         return  # someone else's handler (a test harness, an outer framework): leave it
+    recording = startup_signals.is_recorder(current)  # a SIGTERM now is still a preemption (PreemptionCheckpoint)
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        if not state.failing and recording and not state.finishing:
+            current(signum, frame)  # before PreemptionCheckpoint's handler is in place: recorded
+            return
         if not state.failing:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from dsdebug.errors import ConfigError, fail, is_out_of_memory, missing_extra
+from dsdebug.errors import ConfigError, PreemptedAtStartup, fail, is_out_of_memory, missing_extra
 from dsdebug.errors import is_rank_zero as _is_rank_zero
 
 log = logging.getLogger(__name__)
@@ -178,18 +179,28 @@ def run(cfg: Any, script: str | None = None, train_fn: Any = None) -> float | No
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from dsdebug.distributed import startup_signals
+
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         from dsdebug.distributed.sweep import run_job_in_subprocess
 
+        startup_signals.settle(())  # the sweep's own process: signals act as always (each job records its own)
         return run_job_in_subprocess(cfg, script)
     from dsdebug.config.prepare import prepare
 
     from dsdebug.distributed.console import filter_known_warnings, quiet_console
 
     filter_known_warnings()
+    started = time.time()
     try:
         prepare(cfg)  # validates first, before the heavy imports: bad input fails in ~1 s
+        pre = cfg.get("preemption") or {}
+        startup_signals.settle(list(pre.get("signals", startup_signals.DEFAULT_SIGNALS)) if pre.get("enabled", True)
+                               else ())
+        startup_signals.stop_if_received("while the config was composed")
         from dsdebug.trainer.entry import train
+
+        startup_signals.stop_if_received("while the training stack was imported")
 
         train = train_fn or train
         quiet_console()  # after importing lightning: its import may add a console handler of its own
@@ -197,6 +208,11 @@ def run(cfg: Any, script: str | None = None, train_fn: Any = None) -> float | No
 
         tune_malloc(cfg.get("malloc_tuning", True))  # every rank, before the model and data exist
         metrics = train(cfg)
+    except PreemptedAtStartup as e:  # before the first step: status preempted, exit 0, nothing to save
+        from dsdebug.checkpoint.startup_preemption import end_preempted_at_startup
+
+        end_preempted_at_startup(cfg, e, started)
+        return None
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
         _record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)
         raise

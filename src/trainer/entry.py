@@ -34,6 +34,7 @@ from dsdebug.distributed.liveness import LivenessCallback, watch_parent
 from dsdebug.distributed.liveness import state as liveness_state
 from dsdebug.checkpoint.preemption import PreemptionCheckpoint
 from dsdebug.distributed.rank_files import RankFiles
+from dsdebug.distributed.startup_signals import stop_if_received
 from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
 from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
@@ -120,6 +121,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resume_step = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt = build(cfg)
+    stop_if_received("while the model and data were built")  # a preemption signal so far: end here
     if universal:
         enable_universal_loading(trainer.strategy)
     dashboards = None
@@ -143,7 +145,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     tokens *= int(cfg.data.get("seq_len") or 0)
     metrics["fit_time_s"] = round(fit_s, 2)
     metrics["throughput/tokens_per_s"] = round(tokens / fit_s, 1) if fit_s > 0 and tokens else None
-    preempted = final_ckpt.preemption is not None and final_ckpt.preemption.path is not None
+    preempted = final_ckpt.preemption is not None and final_ckpt.preemption.stopped
     if preempted:
         metrics["status"] = "preempted"
     if trainer.is_global_zero:
