@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 # every extra (pyproject.toml): the training stack, its loggers/sweepers/launchers, the tests
-EXTRAS ?= train,wandb,sweep,slurm,hf,test
+EXTRAS ?= train,wandb,sweep,slurm,hf,lora,test
 # the CPU wheel when no torch is installed yet; a torch already there (a CUDA build) is kept
 TORCH_PIN := $(shell grep '^torch==' constraints.txt)
 

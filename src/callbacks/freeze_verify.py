@@ -37,6 +37,20 @@ _REASONS = {  # code -> (message stem, advice), checked in this order
                     "or updates below the weights' precision (raise the LR or use fp32 master weights)"),
     "frozen_param_changed": ("frozen by the config, yet their values changed", "tied to a trainable parameter, or "
                              "an optimizer built before freezing, or an in-place update in forward"),
+    # the base an adapter (model.adapter, LoRA) froze on purpose: pl_module.intended_frozen
+    "base_param_changed": ("frozen base of model.adapter, yet their values changed", "a base weight left "
+                           "requires_grad=True, an optimizer group holding the base, or weight decay a custom "
+                           "optimizer applies to frozen parameters: build the optimizer from the adapter's "
+                           "parameters only"),
+    "base_trainable": ("frozen base of model.adapter, yet requires_grad=True", "something unfroze it after the "
+                       "adapter froze the base (model code, a callback): freeze it again or leave it out of the base"),
+    "base_in_optimizer": ("frozen base of model.adapter, yet in an optimizer param group", "build the optimizer "
+                          "from requires_grad parameters only (a custom configure_optimizers?): an optimizer "
+                          "that decays every parameter of its groups moves the base"),
+    "base_changed_on_resume": ("frozen base of model.adapter, yet different after the resume from what the first "
+                               "fit started with", "the checkpoint lacks the base (saved without frozen "
+                               "parameters?) or the base was rebuilt differently (another seed, another "
+                               "model.net.name_or_path): resume from a full checkpoint"),
 }
 
 
@@ -80,13 +94,27 @@ class FreezeVerify(DebugCallback):
     | ``frozen_param_changed`` | error | frozen by the config, yet changed (tied weights, optimizer built before freezing) |
     | ``freeze_verified`` | info | all trainable parameters changed and all frozen ones did not |
 
-    Resume: nothing is carried over (``state_attrs`` is empty): the evidence comes from this fit's hooks
-    and fingerprints, so a resumed fit verifies its own first ``check_after_steps`` steps.
+    Adapters (``+model/adapter=lora``, which adds this check): the module's ``intended_frozen`` names
+    the base the adapter froze on purpose; those parameters are held to not moving (never re-frozen
+    here: a base left trainable is reported, not silently fixed), checked again at the end of fit
+    (per-parameter sums, one all-reduce under ZeRO-3), and against the sums the first fit started
+    with after a resume:
+
+    | finding code | severity | meaning |
+    |---|---|---|
+    | ``base_param_changed`` | error | a frozen base parameter moved (named) |
+    | ``base_trainable`` | error | a base parameter has requires_grad=True |
+    | ``base_in_optimizer`` | error | a base parameter sits in an optimizer param group |
+    | ``base_changed_on_resume`` | error | after a resume the base differs from the one the first fit started from |
+
+    Resume: the evidence comes from this fit's hooks and fingerprints, so a resumed fit verifies its
+    own first ``check_after_steps`` steps; ``_base_sums`` (an adapter's frozen base, per parameter)
+    is carried over.
     """
     name = "freeze_verify"
     policies = ("warn", "stop")
     policy_note = "skip: the check runs after the updates"
-    state_attrs = ()  # evidence of this fit's hooks and fingerprints (per process)
+    state_attrs = ("_base_sums",)  # the adapter base's sums at the first fit's start (all ranks alike)
 
     def __init__(self, train_only: Any = (), freeze: Any = (), check_after_steps: int = 3, max_names: int = 10,
                  on_error: str = "warn") -> None:
@@ -96,6 +124,7 @@ class FreezeVerify(DebugCallback):
         self.check_after_steps, self.max_names = check_after_steps, max_names
         self._handles: list[Any] = []
         self._pending = False
+        self._base_sums: list[list[float]] = []
 
     def _patterns(self, key: str, value: Any) -> list[tuple[str, Callable[[str], bool]]]:
         items = [value] if isinstance(value, str) else list(value or ())
@@ -133,8 +162,16 @@ class FreezeVerify(DebugCallback):
                 return any(m(n) or m(display_name(n)) for _, m in patterns)
             return (not self.train_only or hits(self.train_only)) and not hits(self.freeze)
 
+        intended = frozenset(getattr(pl_module, "intended_frozen", None) or ())
+        if intended and self.check_after_steps < 2:
+            raise ConfigError(f"callbacks.{self.name}.check_after_steps={self.check_after_steps} with model.adapter: "
+                              "LoRA's A matrices get no gradient on the first step (B starts at zero); valid: >= 2")
+        self._by_design = [any(n in intended for n in aliases[id(p)]) for p in self._params]
         self._expected = []
-        for p in self._params:
+        for by_design, p in zip(self._by_design, self._params):
+            if by_design:  # the adapter's base: never trains, whatever the patterns say
+                self._expected.append(False)
+                continue
             verdicts = {n: trains(n) for n in aliases[id(p)]}
             if len(set(verdicts.values())) > 1:
                 raise ConfigError(f"callbacks.{self.name}: {' and '.join(verdicts)} are one tied tensor, but the "
@@ -144,8 +181,8 @@ class FreezeVerify(DebugCallback):
             raise ConfigError(f"callbacks.{self.name}: train_only/freeze leave no parameter to train")
         self._frozen_before = [e and not p.requires_grad for e, p in zip(self._expected, self._params)]
         froze = 0
-        for expected, p in zip(self._expected, self._params):
-            if not expected and p.requires_grad:
+        for expected, by_design, p in zip(self._expected, self._by_design, self._params):
+            if not expected and not by_design and p.requires_grad:
                 p.requires_grad_(False)
                 froze += 1
         if (self.train_only or self.freeze) and trainer.global_rank == 0:
@@ -161,6 +198,12 @@ class FreezeVerify(DebugCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._source = grad_source(trainer.strategy)
         self._target = trainer.global_step + self.check_after_steps
+        if any(self._by_design):  # COLLECTIVE under ZeRO-3 (every rank): the base's sums
+            self._base_start = self._sums(trainer)
+            if self._base_sums:  # a resume: against what the first fit started from
+                self._report_moved(trainer, self._base_sums, self._base_start, "base_changed_on_resume")
+            else:
+                self._base_sums = self._base_start
         self._fp0 = [self._fingerprint(p) for p in self._params]
         n = len(self._params)
         self._got, self._called = [False] * n, [False] * n
@@ -207,6 +250,40 @@ class FreezeVerify(DebugCallback):
         # fewer steps than check_after_steps (short run, early stop): verify what there is
         if self._pending and trainer.global_step > self._target - self.check_after_steps:
             self._finish(trainer)
+        elif any(self._by_design) and getattr(self, "_base_start", None) is not None:
+            # after the window: the base must still be what this fit started with (COLLECTIVE under ZeRO-3)
+            self._report_moved(trainer, self._base_start, self._sums(trainer), "base_param_changed")
+
+    # ---- the adapter's frozen base: sums of each parameter, partitions added up ----------
+    def _sums(self, trainer: Any) -> list[list[float]]:
+        rows = []
+        for by_design, p in zip(self._by_design, self._params):
+            if by_design:
+                data = (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).detach().double()
+                rows.append([float(data.sum()), float(data.pow(2).sum())])
+        sums = torch.tensor(rows, dtype=torch.float64)
+        if trainer.world_size > 1 and self._source == "zero3":  # partitions: add the ranks' parts
+            sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        return sums.tolist()
+
+    def _report_moved(self, trainer: Any, before: list[list[float]], after: list[list[float]], code: str) -> None:
+        names = [n for n, d in zip(self._names, self._by_design) if d]
+        if len(before) != len(names):
+            moved = names  # another net: every base parameter is suspect
+        else:
+            moved = [n for n, a, b in zip(names, before, after)
+                     if any(abs(x - y) > 1e-6 * max(1.0, abs(x)) for x, y in zip(a, b))]
+        if not moved:
+            return
+        stem, advice = _REASONS[code]
+        listed = ", ".join(moved[: self.max_names]) + (f" (+{len(moved) - self.max_names} more)"
+                                                      if len(moved) > self.max_names else "")
+        message = f"{len(moved)} adapter base parameter(s) -- {stem}: {listed}"
+        if trainer.global_rank == 0:  # the sums agree on every rank; rank 0 writes it
+            self.report(trainer, "error", code, message, advice, {"params": moved, "reason": stem}, rank=None)
+        else:
+            self._apply_policy(trainer, Finding(self.name, "error", code, message, advice,
+                                                step=trainer.global_step, rank=None))
 
     def _finish(self, trainer: Any) -> None:
         self._pending = False
@@ -234,7 +311,8 @@ class FreezeVerify(DebugCallback):
             names = [self._names[i] for i in idx]
             listed = ", ".join(names[: self.max_names]) + (f" (+{len(names) - self.max_names} more)"
                                                           if len(names) > self.max_names else "")
-            what = "frozen parameter(s) changed" if code == "frozen_param_changed" else "parameter(s) did not learn"
+            what = ("frozen parameter(s) changed" if code == "frozen_param_changed" else "adapter base parameter(s)"
+                    if code.startswith("base_") else "parameter(s) did not learn")
             message = f"{len(names)} {what} in {steps} steps -- {stem}: {listed}"
             details = {"params": names, "reason": stem, "steps": steps}
             if trainer.global_rank == 0:  # same verdict on every rank; rank 0 writes it
@@ -250,6 +328,12 @@ class FreezeVerify(DebugCallback):
 
     def _diagnose(self, i: int, p: torch.Tensor, changed: bool, got: bool, nonzero: bool, called: bool,
                   lrs: dict[int, float] | None) -> str | None:
+        if self._by_design[i]:
+            if changed:
+                return "base_param_changed"
+            if p.requires_grad:
+                return "base_trainable"
+            return "base_in_optimizer" if lrs is not None and id(p) in lrs else None
         if not self._expected[i]:
             return "frozen_param_changed" if changed else None
         if not p.requires_grad:

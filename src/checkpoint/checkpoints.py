@@ -158,9 +158,11 @@ class FinalCheckpoint(Callback):
 
 
 def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf: bool,
-                 tokenizer_dir: Path | None = None) -> dict[str, str]:
+                 tokenizer_dir: Path | None = None, adapter: Any = None) -> dict[str, str]:
     """Rank 0 only: consolidate ``ckpt`` to fp32, and optionally write a HF directory with the
-    tokenizer (``tokenizer_dir``: a pretrained tokenizer's files, copied as they are)."""
+    tokenizer (``tokenizer_dir``: a pretrained tokenizer's files, copied as they are). With an
+    ``adapter`` (model.adapter): also ``export/adapter/`` (verified: non-empty, reloads to the same
+    logits) and the HF directory holds the merged net."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fp32_path = out_dir / "model_fp32.pt"
     if ckpt.is_dir():
@@ -172,8 +174,17 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
         state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
         torch.save({"state_dict": state}, fp32_path)
     exports = {"fp32": str(fp32_path)}
+    net_state = {k[len("net."):]: v.float() for k, v in state.items() if k.startswith("net.")}
+    if adapter is not None:
+        from dsdebug.models.adapter import export_adapter, load_adapted
+
+        net = load_adapted(adapter, net_factory(), net_state)
+        merged, facts = export_adapter(net, out_dir / "adapter", getattr(tokenizer, "vocab_size", None))
+        log.info("export/adapter: %d tensors, %d elements, reload max |diff| %s", facts["tensors"],
+                 facts["elements"], facts.get("reload_max_abs_diff"))
+        exports["adapter"] = str(out_dir / "adapter")
+        net_factory, net_state = (lambda: merged), merged.state_dict()  # noqa: E731
     if hf:
-        net_state = {k[len("net."):]: v.float() for k, v in state.items() if k.startswith("net.")}
         net = net_factory()
         if not hasattr(net, "save_pretrained"):
             log.warning("export.hf skipped: %s has no save_pretrained (not a HF model)", type(net).__name__)

@@ -58,18 +58,32 @@ class CausalLMModule(L.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         moe_aux_loss_coef: float | str = "auto",
         moe_metrics: bool = True,
+        adapter: Any = None,
     ) -> None:
         super().__init__()
         self.net = net
+        # LoRA/QLoRA (+model/adapter=lora, src/models/adapter.py): the base frozen, the adapters train;
+        # `net` stays the base for MoEBalance (it reads the HF class), its modules are the same objects
+        self.adapter = adapter
+        if adapter is not None:
+            self.net = adapter.apply(net)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler", "adapter"])
         self.moe = MoEBalance(net, moe_aux_loss_coef, moe_metrics)
         self.moe_aux_loss_coef = self.moe.coef  # resolved: "auto" -> the model's own or 0.01
         self.val_loss_at_start: float | None = None
         self._val_losses: list[torch.Tensor] = []
         self.skip_optimizer_step = False  # set by a check with on_error=skip (src/callbacks/base.py)
         self._skip_undo: Callable[[], None] | None = None
+
+    @property
+    def intended_frozen(self) -> frozenset[str]:
+        """Parameters frozen on purpose (the adapter's base), as ``named_parameters`` names them:
+        freeze_verify holds them to not moving instead of reporting them frozen by model code."""
+        if self.adapter is None:
+            return frozenset()
+        return frozenset(f"net.{n}" for n in self.adapter.intended_frozen)
 
     # ---- forward / loss -------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             metrics["exports"] = export_final(
                 final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf),
                 tokenizer_dir=pretrained.local_dir if pretrained is not None else None,
+                adapter=getattr(module, "adapter", None),  # model.adapter: export/adapter + the merged net
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         report = finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md

@@ -48,11 +48,12 @@ def test_config_file_composes(path: Path):
         assert cfg.hydra.runtime.choices[group] == option
         OmegaConf.to_container(OmegaConf.select(cfg, group.replace("/", ".")), resolve=True)
         return
-    prefix = "+" if group == "callbacks" else ""  # callbacks are added: +callbacks=<name>
+    # callbacks and model adapters are added: +callbacks=<name>, +model/adapter=lora
+    prefix = "+" if group in ("callbacks", "model/adapter") else ""
     cfg = _compose([f"{prefix}{group}={option}"])
     assert cfg.hydra.runtime.choices[group] == option
     if group not in OVERRIDE_STYLE:  # a group of its own (not a global preset): its key exists
-        assert cfg[group] is not None or group in ("callbacks",)
+        assert OmegaConf.select(cfg, group.replace("/", ".")) is not None or group in ("callbacks",)
     # every interpolation resolves (Hydra's runtime paths stand in for a real run)
     OmegaConf.update(cfg, "paths.output_dir", "/tmp/run", force_add=True)
     OmegaConf.update(cfg, "paths.work_dir", "/tmp", force_add=True)
