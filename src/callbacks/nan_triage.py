@@ -164,11 +164,15 @@ class NaNTriage(DebugCallback):
                 "suspect the hardware (silent data corruption), a race or a non-deterministic kernel: rerun the "
                 "step on another GPU/node (Megatron's rerun), check ECC/Xid logs, drain the node if it repeats; "
                 "on_error=skip drops this update", details, loss_ranks)
-        culprit = bad_ranks[0]
-        module = module_of.get(culprit)
-        details.update(label="reproducible", module=module, rank=culprit)
+        # the origin: the rank whose rerun met a non-finite output first in forward order (all ranks
+        # ran the same modules), else the first rank; its module, else the loss (forward) or backward
+        culprit = min(bad_ranks, key=lambda r: (module_of[r][1] if r in module_of else float("inf"), r))
+        module, index = module_of.get(culprit, (None, None))
+        arose_in = module or ("backward" if backward else "loss")
+        details.update(label="reproducible", module=module, forward_index=index, arose_in=arose_in, rank=culprit)
         where_mod = (f"first non-finite module output: {module} (rank {culprit})" if module else
-                     "every module output finite: it arose in the loss or in backward")
+                     "every module output finite: it arose in backward" if backward else
+                     "every module output finite: it arose in the loss computation (after the model's output)")
         self._finish(trainer, pl_module, step, "reproducible", "nan_reproducible",
                      f"{what} at {where}; REPRODUCIBLE on rerun on rank(s) {bad_ranks}: {where_mod}",
                      f"the data or the model: inspect batch {batch_idx} (data_inspector) and "
@@ -176,14 +180,19 @@ class NaNTriage(DebugCallback):
                      f"in low precision); lower the LR; on_error=skip drops this update",
                      details, bad_ranks)
 
-    def _rerun(self, trainer: Any, pl_module: Any, backward: bool) -> tuple[list[int], dict[int, str]]:
-        """EVERY rank: recompute the step's loss (and gradients) from the saved batch/RNG; agree on the result."""
-        first: list[int] = []
+    def _rerun(self, trainer: Any, pl_module: Any, backward: bool) -> tuple[list[int], dict[int, tuple[str, int]]]:
+        """EVERY rank: recompute the step's loss (and gradients) from the saved batch/RNG; agree on the result.
+        Returns the ranks whose rerun was non-finite and, per rank, the first module whose output went
+        non-finite as (name, position among the module calls in the order the forward finished them:
+        a child finishes before its parent, so the innermost module where it arose comes first)."""
+        first: list[int] = []  # [module index, its position among the module calls in forward order]
+        calls = [0]
         index = {id(m): i for i, (_, m) in enumerate(self._modules)}
 
         def hook(module: Any, inputs: Any, output: Any) -> None:
+            calls[0] += 1
             if not first and not _finite(output):
-                first.append(index[id(module)])
+                first.extend((index[id(module)], calls[0]))
 
         handles = [m.register_forward_hook(hook) for _, m in self._modules]
         saved_rng = _rng_state()
@@ -202,13 +211,15 @@ class NaNTriage(DebugCallback):
                 h.remove()
             _set_rng_state(saved_rng)
         world, rank = trainer.world_size, trainer.global_rank
-        vec = torch.zeros(2 * world, dtype=torch.float64)
+        vec = torch.zeros(3 * world, dtype=torch.float64)  # per rank: bad, module index + 1, forward position
         vec[rank], vec[world + rank] = float(bad), float(first[0] + 1 if first else 0)
+        vec[2 * world + rank] = float(first[1] if first else 0)
         if world > 1:  # COLLECTIVE, every rank (all are in this branch): only on a rerun step
             vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
         values = vec.tolist()
         bad_ranks = [r for r in range(world) if values[r] > 0]
-        modules = {r: self._modules[int(values[world + r]) - 1][0] for r in range(world) if values[world + r] > 0}
+        modules = {r: (self._modules[int(values[world + r]) - 1][0], int(values[2 * world + r]))
+                   for r in range(world) if values[world + r] > 0}
         return bad_ranks, modules
 
     def _loss(self, pl_module: Any) -> torch.Tensor:

@@ -83,3 +83,40 @@ def test_two_processes_zero2_all_ranks_rerun_together(tmp_path, shared_cache):
     f = found[0]
     assert f["rank"] == 1 and f["details"]["loss_ranks"] == [1] and f["details"]["rerun_nonfinite_ranks"] == [1]
     assert "first non-finite module output: mlp.2 (rank 1)" in f["message"]
+
+
+# One planted non-finite value, three ways: every check that sees it (nan_triage, grad_monitor,
+# loss_spike, the report's advisor; the update is applied, so the later steps go non-finite too) ends
+# up in ONE incident whose first line names where it arose (src/findings/incidents.py).
+VARIANTS = {
+    "nan_in_a_middle_module": (["+callbacks.planted._target_=tests.planted.nan.NaNOutput",
+                                "+callbacks.planted.module=mlp.1", "+callbacks.planted.step=1"], "mlp.1"),
+    "inf_from_an_overflow": (["+callbacks.planted._target_=tests.planted.nan.OverflowOutput",
+                              "+callbacks.planted.module=mlp.0", "+callbacks.planted.step=1"], "mlp.0"),
+    "nan_in_the_loss_only": (["+callbacks.planted._target_=tests.planted.nan.NaNLoss", "+callbacks.planted.step=1"],
+                             "the loss"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_planted_nonfinite_value_is_one_incident_naming_where_it_arose(variant, tmp_path, shared_cache):
+    from dsdebug.findings.channel import FindingsChannel
+    from dsdebug.findings.incidents import group
+
+    plant, where = VARIANTS[variant]
+    run_dir = tmp_path / "run"
+    train_in_process([*SMOKE, *TINY_NET, "trainer.max_steps=4", "trainer.val_check_interval=100", "strategy=ddp",
+                      "export.fp32=false", "export.hf=false", "+callbacks=[nan_triage,grad_monitor,loss_spike]",
+                      *plant], run_dir, shared_cache)
+    records = read_findings(run_dir)
+    loud = [r for r in records if r["severity"] != "info"]
+    assert {r["check"] for r in loud} >= {"nan_triage", "grad_monitor", "loss_spike"}, loud  # several saw it
+    incidents = group(records)
+    assert len(incidents) == 1, [(i.title(), i.source()) for i in incidents]
+    incident = incidents[0]
+    assert incident.title() == f"non-finite values from step 1 in {where} on rank 0"
+    assert incident.source() == "nan_triage/nan_reproducible" and incident.count == len(loud)
+    lines = FindingsChannel(run_dir).summary_lines(run_dir / "report.html", "completed")
+    assert lines[1].startswith(f"ERROR   non-finite values from step 1 in {where} on rank 0")
+    assert lines[-1].startswith("verdict: 1 incident (1 error); worst: non-finite values from step 1 in "
+                                f"{where}") and lines[-1].endswith(f"report: {run_dir / 'report.html'}")
