@@ -108,6 +108,45 @@ def test_full_callbacks_config_holds_every_check():
     assert set(_all_checks()) <= targets, set(_all_checks()) - targets
 
 
+def test_plain_fit_sends_findings_to_wandb_and_records_the_run(tmp_path, monkeypatch):
+    """1 process, the user's own TensorBoard + W&B (offline) loggers, GradMonitor, NaN at step 2: the checks
+    attach the findings to both dashboards themselves; RunRecord writes metrics.json, HistoryLogger the norms."""
+    pytest.importorskip("wandb")
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    from dsdebug.callbacks import GradMonitor
+    from dsdebug.findings import channel as ch
+    from examples.plain_lightning.src.model import BoringModel
+    from tests.helpers.findings import wandb_records
+
+    monkeypatch.setattr(ch, "_channel", ch.FindingsChannel(origin="default"))
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    root = tmp_path / "root"
+    loggers = [TensorBoardLogger(root, name="tensorboard"), WandbLogger(save_dir=str(tmp_path), project="plain")]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, default_root_dir=root,
+                        logger=loggers, callbacks=[GradMonitor()], enable_progress_bar=False, log_every_n_steps=1,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(BoringModel(nan_at_step=2))
+    loggers[1].experiment.finish()
+    assert trainer.logger is loggers[0]  # the user's first logger stays first (log_dir unchanged)
+    log_dir = root / "tensorboard" / "version_0"
+    record = json.loads((log_dir / "metrics.json").read_text())
+    assert record["status"] == "completed" and record["global_step"] == 4 and record["runner"] == "lightning"
+    assert record["loggers"] == ["TensorBoardLogger", "WandbLogger"]
+    history = (log_dir / "history.jsonl").read_text()
+    assert "grad/norm/layer" in history  # GradMonitor's per-layer norms, for the report's figure
+
+    [wandb_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    alerts = [r.alert for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "alert"]
+    assert [a.title for a in alerts] == ["dsdebug grad_monitor/nonfinite_grad"] * len(alerts) and alerts
+    assert "step 2" in alerts[0].text
+    [table] = wandb_file.parent.glob("files/media/table/findings_*.table.json")
+    rows = json.loads(table.read_text())["data"]
+    assert len(rows) == len((log_dir / "findings.jsonl").read_text().splitlines())  # every finding, once
+
+
 # ---- the example project on 2 CPU processes ----------------------------------------------------
 def _run_example(tmp_path: Path, *overrides: str) -> Path:
     project = shutil.copytree(EXAMPLE, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__", "logs"))

@@ -126,3 +126,14 @@ def test_planted_nan_reaches_tensorboard_and_wandb(tmp_path, shared_cache):
     code = table["columns"].index("code")
     assert sorted(row[code] for row in table["data"] if row[0] == "error") == ["loss_diverging", "nan_transient"]
     assert len(table["data"]) == len(records)  # every finding of the run, not only the errors
+
+
+def test_attaching_again_returns_the_same_sink(tmp_path):
+    """dsdebug-train attaches before fit and every check's setup attaches again: one sink, each finding once."""
+    channel = FindingsChannel(tmp_path)
+    tb = TensorBoardLogger()
+    first = attach_dashboards(channel, [tb])
+    assert attach_dashboards(channel, [tb]) is first and attach_dashboards(channel, [TensorBoardLogger()]) is first
+    assert len(channel.sinks) == 1
+    channel.report(_finding("error"))
+    assert len(tb.experiment.texts) == 1
