@@ -51,9 +51,53 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
                 master = [o.input_line for o in parsed if not o.is_sweep_override()]  # what the launcher is built from
                 check_sweep(compose(config_name, overrides=master, return_hydra_config=True), composed)
     except Exception as e:  # noqa: BLE001 - any composition failure is bad input
-        fail(_flatten_hydra_error(e))
+        text, hint = _flatten_hydra_error(e), _did_you_mean(str(e), overrides, config_dir, config_name)
+        fail(text.rstrip(".") + hint if hint else text)
     finally:
         GlobalHydra.instance().clear()
+
+
+_MISSING_KEY = re.compile(r"Could not (?:override|delete from config\.) '?([\w.\-]+)'")
+
+
+def _did_you_mean(error: str, overrides: list[str], config_dir: Path, config_name: str) -> str:
+    """'; did you mean trainer.max_steps?' for a key that is not in the config: the closest valid key
+    (same section first, else any), from the config composed without that override. '' when none is close."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import DictConfig, OmegaConf
+
+    match = _MISSING_KEY.search(error)
+    if not match:
+        return ""
+    bad = match.group(1)
+    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != bad]
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(config_dir), version_base="1.3"):
+            cfg = compose(config_name, overrides=rest)
+    except Exception:  # noqa: BLE001 - another override is bad too: no suggestion
+        return ""
+
+    def keys(node: object, prefix: str = "") -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        out = []
+        for k, v in node.items():
+            full = f"{prefix}{k}"
+            out += [full, *keys(v, f"{full}.")]
+        return out
+
+    container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else {}
+    valid = keys(container)
+    parent, _, leaf = bad.rpartition(".")
+    siblings = [k for k in valid if k.rpartition(".")[0] == parent] if parent else []
+    close = [f"{parent}.{m}" for m in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in siblings],
+                                                                n=1, cutoff=0.6)] if siblings else []
+    close = close or difflib.get_close_matches(bad, valid, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _flatten_hydra_error(e: Exception) -> str:

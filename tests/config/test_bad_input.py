@@ -27,7 +27,10 @@ from tests.helpers.runs import CONF, REPO, SMOKE, compose_as_hydra_main, error_l
 
 CASES = {
     "unknown_group_option": (["strategy=zero4"], ["strategy/zero4", "zero3", "ddp"]),
-    "misspelt_key": (["trainer.max_stepz=3"], ["trainer.max_stepz"]),
+    "misspelt_key": (["trainer.max_stepz=3"], ["trainer.max_stepz", "did you mean trainer.max_steps?"]),
+    # the closest valid key: in the same section, else anywhere (a misspelt section)
+    "misspelt_key_suggested": (["trainer.max_step=5"], ["'trainer.max_step'", "did you mean trainer.max_steps?"]),
+    "misspelt_section_suggested": (["trainr.max_steps=5"], ["'trainr.max_steps'", "did you mean trainer.max_steps?"]),
     "negative_lr": (["optim.lr=-1"], ["optim.lr", "-1"]),
     "devices_over_available": (["trainer=ddp_sim", "trainer.devices=64"], ["trainer.devices=64", "valid: 1.."]),
     "fp16_on_this_cpu": (["trainer.precision=16-mixed"], ["trainer.precision=16-mixed", "bf16-mixed"]),
@@ -38,7 +41,7 @@ CASES = {
     "resume_typo": (["resume=lastest"], ["resume", "latest"]),
     "malloc_tuning_not_bool": (["malloc_tuning=maybe"], ["malloc_tuning='maybe' is invalid", "true", "false"]),
     "callback_typo_add": (["+callbacks=grad_monitr"], ["callbacks/grad_monitr", "grad_monitor"]),
-    "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr"]),
+    "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr", "did you mean callbacks.lr_monitor?"]),
     # a check's own arguments: its __init__'s check_args rules, read from its source before anything is imported
     "check_arg_out_of_range": (["debug=light", "callbacks.grad_monitor.every_n_steps=-1"],
                                ["callbacks.grad_monitor.every_n_steps=-1 is invalid; valid: an int >= 0"]),

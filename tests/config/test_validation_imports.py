@@ -100,3 +100,16 @@ def test_the_cli_refuses_a_bad_value_before_importing_torch(tmp_path):
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
     assert "dsdebug.config.prepare" in imported  # the log is the one of the validation path
+
+
+def test_a_misspelt_key_gets_the_closest_valid_key_before_importing_torch(tmp_path):
+    """`python train.py trainer.max_step=5`: the composition precheck names the closest valid key
+    (composing the config again without the bad override) and still imports no heavy module."""
+    env = {"PROJECT_ROOT": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "trainer.max_step=5"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith("; did you mean trainer.max_steps?"), errors
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
