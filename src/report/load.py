@@ -32,8 +32,9 @@ class RunData:
         """A plain Lightning run (the checks in a user's own Trainer), not a ``dsdebug-train`` run."""
         if self.metrics.get("runner") is not None:
             return self.metrics["runner"] == "lightning"
-        # older or logger-less plain runs: findings but none of dsdebug-train's files (config, crash.json)
-        return not self.config and self.crash is None and bool(self.findings_files)
+        # older plain runs: findings but none of dsdebug-train's files (config, crash.json, Hydra's .hydra/)
+        return (not self.config and self.crash is None and bool(self.findings_files)
+                and not (Path(self.path) / ".hydra").is_dir())
 
     def artifact_dirs(self) -> list[Path]:
         """Where the checks' own files (repro/, profiler/, data_inspector/) may be: the run dir, the

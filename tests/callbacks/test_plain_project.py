@@ -148,13 +148,13 @@ def test_plain_fit_sends_findings_to_wandb_and_records_the_run(tmp_path, monkeyp
 
 
 # ---- the example project on 2 CPU processes ----------------------------------------------------
-def _run_example(tmp_path: Path, *overrides: str) -> Path:
+def _run_example(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
     project = shutil.copytree(EXAMPLE, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__", "logs"))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "PROJECT_ROOT")}
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PYTHONPATH", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "PROJECT_ROOT")}
     proc = subprocess.run([sys.executable, "src/train.py", "callbacks=dsdebug_full", "model.nan_at_step=2",
                            "data.num_samples=64", "trainer.max_epochs=1", "+trainer.log_every_n_steps=1", *overrides],
-                          cwd=project, capture_output=True, text=True, timeout=600, env={**env, "PYTHONUNBUFFERED": "1"})
+                          cwd=project, capture_output=True, text=True, timeout=600, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})})
     assert_ok(proc)
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
     assert not (project / "flight_recorder").exists()
@@ -163,8 +163,8 @@ def _run_example(tmp_path: Path, *overrides: str) -> Path:
     return runs[0]
 
 
-def _assert_nan_named(run_dir: Path) -> None:
-    findings = run_dir / "tensorboard" / "version_0" / "findings.jsonl"
+def _assert_nan_named(run_dir: Path, findings_dir: str = "tensorboard/version_0") -> None:
+    findings = run_dir / findings_dir / "findings.jsonl"  # trainer.log_dir: the first logger's folder
     records = [json.loads(line) for line in findings.read_text().splitlines()]
     nan = [r for r in records if (r["check"], r["code"]) == ("grad_monitor", "nonfinite_grad")]
     assert nan and nan[0]["step"] == 2 and "model.0.weight" in nan[0]["message"], records
@@ -175,12 +175,14 @@ def _assert_nan_named(run_dir: Path) -> None:
                           timeout=300)
     assert_ok(proc)
     report = (run_dir / "report.md").read_text()
-    assert "read tensorboard/version_0/findings.jsonl" in report and "no findings:" not in report
+    assert f"read {findings_dir}/findings.jsonl" in report and "no findings:" not in report
     assert "grad_monitor/nonfinite_grad" in report and "model.0.weight" in report
     summary = report.split("## Findings")[0]
     assert "| status | completed |" in summary and "src/train.py callbacks=dsdebug_full" in summary, summary
     assert "enable debug=" not in report, "dsdebug-train's vocabulary in a plain project's report"
-    assert "Gradient norm per layer" in report and "enable debug=grads" not in report
+    # the checks' metrics reached the report (HistoryLogger beside the user's loggers): figures, not hints
+    for figure in ("Loss and learning rate", "Gradient norm per layer", "Step time per rank"):
+        assert f"![{figure}]" in report, figure
 
     # TensorBoard's TEXT tab holds the finding (the checks attached the findings to the user's logger)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -202,6 +204,15 @@ def test_hydra_template_ddp_spawn_every_check_names_a_planted_nan(tmp_path):
 
 @pytest.mark.slow  # plain-project findings/report/TensorBoard are covered by the ddp_spawn run; this adds DDP's launcher
 def test_hydra_template_ddp_names_a_planted_nan(tmp_path):
+    """DDP (Lightning re-runs the script per rank) with CSV, TensorBoard and W&B (offline): the findings land in
+    the first logger's folder (csv/version_0), TensorBoard and W&B get them from the checks."""
+    pytest.importorskip("wandb")
+    from tests.helpers.findings import wandb_records
+
     run_dir = _run_example(tmp_path, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                           "trainer.sync_batchnorm=false")
-    _assert_nan_named(run_dir)
+                           "trainer.sync_batchnorm=false", "logger=many_loggers",
+                           env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    _assert_nan_named(run_dir, "csv/version_0")
+    [wandb_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    alerts = [r.alert for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "alert"]
+    assert any(a.title == "dsdebug grad_monitor/nonfinite_grad" and "step 2" in a.text for a in alerts), alerts
