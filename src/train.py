@@ -33,6 +33,9 @@ def config_dir() -> Path:
 
 
 def main(entry: str | None = None) -> None:
+    from dsdebug.distributed.hash_seed import fix_hash_seed
+
+    fix_hash_seed(sys.argv[1:])  # every rank hashes str alike: re-executes once when PYTHONHASHSEED is unset
     from dsdebug.distributed.startup_signals import record_from_now
 
     record_from_now()  # a preemption signal while the run starts is recorded (train.py did it already)

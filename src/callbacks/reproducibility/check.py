@@ -45,11 +45,15 @@ class Reproducibility(DebugCallback):
       seeds python/numpy/torch with ``seed_everything(seed, workers=True)`` only if the entry
       point has not (it normally has, with ``cfg.seed``: that is recorded, not redone).
       ``PYTHONHASHSEED`` only affects interpreters started after it is set: the child ranks and
-      spawned workers get it, the already-running rank 0 does not (finding ``hash_seed_late``;
-      export it in the shell to fix rank 0 too).
+      spawned workers get it; the training command sets it for rank 0 too, before Python starts
+      (``distributed/hash_seed.py``). A process that started with another value (a plain Lightning
+      project, or an exported one) is reported as ``hash_seed_late`` where that can change a result:
+      several ranks, or data-loader workers started by spawn/forkserver.
     - ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
-      ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because
-      ``Trainer(deterministic=False)`` resets it when the Trainer is built.
+      ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because building the
+      Trainer may reset them. When ``Trainer(deterministic=False)`` (``trainer.deterministic=false``)
+      turned them off, that is the user's setting: kept, with a ``deterministic_off`` warning naming
+      the key; ``force_deterministic: true`` turns them back on (warning ``deterministic_forced``).
     - ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
       a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
       and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
@@ -72,7 +76,9 @@ class Reproducibility(DebugCallback):
     | finding code | severity | meaning |
     |---|---|---|
     | ``seeded`` | info | what was seeded and set (seed, env vars, flags), on all ranks |
-    | ``hash_seed_late`` | info | this process started with another hash seed than ``PYTHONHASHSEED`` |
+    | ``hash_seed_late`` | info | this process started with another hash seed than its ranks/spawned workers got |
+    | ``deterministic_off`` | warning | ``trainer.deterministic=false`` kept: no bitwise replay between runs |
+    | ``deterministic_forced`` | warning | ``force_deterministic: true`` overrode ``trainer.deterministic=false`` |
     | ``seed_mismatch`` | warning | the run was seeded with another seed than ``callbacks.reproducibility.seed`` |
     | ``nondeterministic_op`` | warning | replay diverged at a module, or PyTorch flagged an op |
     | ``replay_ok`` | info | the replayed steps matched bit for bit (number of module outputs compared) |
@@ -82,23 +88,27 @@ class Reproducibility(DebugCallback):
     """
     name = "reproducibility"
     state_attrs = ()  # flags, records and the replay check belong to this process
+    runtime_attrs = ("_trainer", "_orig_showwarning")  # set again in setup
 
     def __init__(self, seed: int | None = None, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
                  cublas_workspace_config: str = ":4096:8", fill_uninitialized_memory: bool | None = None,
-                 replay_steps: int = 2, sample_size: int = 4096, on_error: str = "warn") -> None:
+                 replay_steps: int = 2, sample_size: int = 4096, force_deterministic: bool = False,
+                 on_error: str = "warn") -> None:
         super().__init__(on_error)
         self.check_args(
-    runtime_attrs = ("_trainer", "_orig_showwarning")  # set again in setup
             seed=(seed, optional(integer(0, 2**32 - 1), "the run's seed")),
             hash_seed=(hash_seed, integer(0, 2**32 - 1)),
             replay_steps=(replay_steps, integer(0, 2**32 - 1)),
             sample_size=(sample_size, integer(1, 2**32 - 1)),
             deterministic=(deterministic, boolean()),
+            force_deterministic=(force_deterministic, boolean()),
             warn_only=(warn_only, boolean()),
             fill_uninitialized_memory=(fill_uninitialized_memory, optional(boolean(), "auto")),
             cublas_workspace_config=(cublas_workspace_config, one_of(*CUBLAS_CONFIGS)),
         )
         self.seed, self.hash_seed, self.deterministic, self.warn_only = seed, hash_seed, deterministic, warn_only
+        self.force_deterministic = force_deterministic
+        self._user_turned_off = False  # Trainer(deterministic=False) after __init__: the user's setting, kept
         self.replay_steps, self.sample_size = replay_steps, sample_size
         # auto: on CUDA filling is cheap; on CPU it fills DeepSpeed's torch.empty reduce buckets
         # every step (measured: aten::fill_ 40% of profiled CPU time under ZeRO-2, 1.5% without).
@@ -143,13 +153,17 @@ class Reproducibility(DebugCallback):
 
     # ---- setup: every rank, no collectives ------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        was_on = self._apply_flags()
+        # __init__ turned deterministic algorithms on; off now means the Trainer was built with
+        # deterministic=False (trainer.deterministic=false): the user's setting, kept unless they opt in
+        turned_off = self.deterministic and not self._set_up and not torch.are_deterministic_algorithms_enabled()
+        self._user_turned_off = self._user_turned_off or (turned_off and not self.force_deterministic)
+        if not self._user_turned_off:
+            self._apply_flags()
         if self._set_up:
             return
         self._set_up = True
-        if self.deterministic and not was_on and getattr(trainer, "is_global_zero", True):  # once, not per rank
-            log.info("reproducibility: re-enabled torch.use_deterministic_algorithms (trainer.deterministic=false "
-                     "turned it off when the Trainer was built)")
+        if turned_off and getattr(trainer, "is_global_zero", True):  # once, not per rank
+            self._report_turned_off(trainer)
         # seed=None (a plain Lightning project): the seed the run was seeded with, nothing to compare
         run_seed = int(os.environ.get("PL_GLOBAL_SEED", -1 if self.seed is None else self.seed))
         if self.seed is None:
@@ -159,17 +173,48 @@ class Reproducibility(DebugCallback):
                         f"the run was seeded with {run_seed} but callbacks.reproducibility.seed={self.seed}",
                         advice="leave callbacks.reproducibility.seed at ${seed} (the default)",
                         details={"run_seed": run_seed, "callback_seed": self.seed})
-        if self._hash_seed_at_start != str(self.hash_seed):
-            self.report(trainer, "info", "hash_seed_late",
-                        f"PYTHONHASHSEED={self.hash_seed} was set for child ranks and workers started later, but rank "
-                        f"{trainer.global_rank} started with PYTHONHASHSEED={self._hash_seed_at_start!r}: its str "
-                        "hashes (set/dict-of-str iteration order) are not fixed",
-                        advice=f"export PYTHONHASHSEED={self.hash_seed} before `python train.py` to fix it on "
-                               "every rank",
-                        details={"at_start": self._hash_seed_at_start, "set": str(self.hash_seed)}, step=None)
         if self._cuda_was_initialised:
             log.warning("reproducibility: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set; cuBLAS may "
                         "ignore it (set it in the environment)")
+
+    def _report_turned_off(self, trainer: Any) -> None:
+        key = "trainer.deterministic=false (Trainer(deterministic=False))"
+        if self.force_deterministic:
+            self.report(trainer, "warning", "deterministic_forced",
+                        f"{key} turned torch.use_deterministic_algorithms off; callbacks.reproducibility."
+                        "force_deterministic=true turned it back on for this run",
+                        advice="keep one of the two: set trainer.deterministic=true (or leave it unset), or drop "
+                               "force_deterministic",
+                        details={"trainer_deterministic": False, "force_deterministic": True}, rank=None, step=None)
+            return
+        self.report(trainer, "warning", "deterministic_off",
+                    f"{key}: deterministic algorithms stay off as set, so two runs of this config may differ in the "
+                    "last bits (and a nondeterministic kernel is not flagged); seeds and the replay check still run",
+                    advice="for bitwise replay set trainer.deterministic=true or leave it unset (this check then turns "
+                           "them on), or callbacks.reproducibility.force_deterministic=true to let the check override "
+                           "it; callbacks.reproducibility.deterministic=false says you want them off",
+                    details={"trainer_deterministic": False, "force_deterministic": False}, rank=None, step=None)
+
+    def _report_hash_seed(self, trainer: Any) -> None:
+        """PYTHONHASHSEED reached the processes started after __init__ (child ranks, spawned workers) but
+        not this one: said only where the two can meet (several ranks, or workers started by spawn or
+        forkserver: forked workers share this process's seed) -- str-keyed set/dict iteration order
+        then differs between processes of one run."""
+        if self._hash_seed_at_start == str(self.hash_seed):
+            return
+        meets = [f"{trainer.world_size} ranks"] if getattr(trainer, "world_size", 1) > 1 else []
+        meets += [f"{n} data-loader worker(s) started by {how}" for n, how in _spawned_workers(trainer)]
+        if not meets:
+            return
+        self.report(trainer, "info", "hash_seed_late",
+                    f"rank {trainer.global_rank} started with PYTHONHASHSEED={self._hash_seed_at_start!r}, while its "
+                    f"{' and '.join(meets)} got PYTHONHASHSEED={self.hash_seed}: str hashes (the iteration order of "
+                    "str-keyed sets and dicts) differ between them",
+                    advice=f"start the command with PYTHONHASHSEED={self.hash_seed} in its environment "
+                           f"(`PYTHONHASHSEED={self.hash_seed} python train.py ...`); dsdebug-train and the project's "
+                           "train.py set it themselves when it is unset",
+                    details={"at_start": self._hash_seed_at_start, "set": str(self.hash_seed), "meets": meets},
+                    step=None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """After fit, every rank: put the process-wide flags and env vars back (child ranks
@@ -188,6 +233,7 @@ class Reproducibility(DebugCallback):
     # ---- on_train_start: every rank writes its own record ---------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         rank = trainer.global_rank
+        self._report_hash_seed(trainer)  # here: the train data loaders exist
         out = Path(trainer.default_root_dir) / "repro"
         out.mkdir(parents=True, exist_ok=True)
         state = rng_state()
@@ -199,7 +245,7 @@ class Reproducibility(DebugCallback):
                         f"seed {record['PL_GLOBAL_SEED']} (workers seeded: {record['PL_SEED_WORKERS'] == '1'}), "
                         f"PYTHONHASHSEED={self.hash_seed}, "
                         f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, "
-                        f"deterministic algorithms {'on' if self.deterministic else 'off'} "
+                        f"deterministic algorithms {'on' if torch.are_deterministic_algorithms_enabled() else 'off'} "
                         f"(warn_only={self.warn_only}), cudnn deterministic, benchmark off; "
                         f"replaying {self.replay_steps} step(s); states in {out}",
                         details=record, rank=None)
@@ -327,3 +373,27 @@ class Reproducibility(DebugCallback):
                              "max_abs_diff_sampled": diff, "how": how, "ranks_differing": ranks})
 
 
+def _spawned_workers(trainer: Any) -> list[tuple[int, str]]:
+    """(num_workers, start method) of the train data loaders whose workers are new interpreters."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    def loaders(obj: Any) -> list[DataLoader]:
+        if isinstance(obj, DataLoader):
+            return [obj]
+        if isinstance(obj, dict):
+            obj = list(obj.values())
+        if isinstance(obj, (list, tuple)):
+            return [loader for o in obj for loader in loaders(o)]
+        inner = getattr(obj, "iterables", None)
+        return loaders(inner) if inner is not None else []
+
+    out = []
+    for loader in loaders(getattr(trainer, "train_dataloader", None)):
+        ctx = loader.multiprocessing_context
+        method = (ctx if isinstance(ctx, str) else ctx.get_start_method() if ctx is not None
+                  else multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method())
+        if loader.num_workers > 0 and method != "fork":
+            out.append((loader.num_workers, method))
+    return out
