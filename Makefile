@@ -13,7 +13,7 @@ EXTRAS ?= train,wandb,sweep,slurm,hf,lora,test
 # the CPU wheel when no torch is installed yet; a torch already there (a CUDA build) is kept
 TORCH_PIN := $(shell grep '^torch==' constraints.txt)
 
-.PHONY: setup train test test-all test-fast bench bench-full bench-comm clean-logs
+.PHONY: setup train test test-all test-fast bench bench-full bench-comm gpu-kit clean-logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ bench-full: setup
 # step time) + 300 steps of ddp vs ddp_powersgd (final loss within 5 %); too long for make bench.
 bench-comm: setup
 	$(PY) benchmarks/comm.py --loss-check
+
+# make gpu-kit: the wheels the lent GPU machine's image lacks (deepspeed, hydra-core, ...) into .gpu_kit/
+# (git-ignored), checked with the working tree under 60 MiB; then benchmarks/gpu_check.py there (docs/gpu.md).
+gpu-kit: setup
+	$(PY) benchmarks/gpu_check_kit.py --out .gpu_kit
 
 clean-logs:
 	rm -rf logs multirun outputs
