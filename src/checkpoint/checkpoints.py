@@ -158,11 +158,14 @@ class FinalCheckpoint(Callback):
 
 
 def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf: bool,
-                 tokenizer_dir: Path | None = None, adapter: Any = None) -> dict[str, str]:
+                 tokenizer_dir: Path | None = None, adapter: Any = None,
+                 int8_batches: list | None = None) -> dict[str, str]:
     """Rank 0 only: consolidate ``ckpt`` to fp32, and optionally write a HF directory with the
     tokenizer (``tokenizer_dir``: a pretrained tokenizer's files, copied as they are). With an
     ``adapter`` (model.adapter): also ``export/adapter/`` (verified: non-empty, reloads to the same
-    logits) and the HF directory holds the merged net."""
+    logits) and the HF directory holds the merged net. With ``int8_batches`` (export.int8): also
+    ``export/model_int8.pt``, the net's Linear layers in int8, its size and validation perplexity
+    against fp32 measured on those batches (``export/int8.json`` and a finding)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fp32_path = out_dir / "model_fp32.pt"
     if ckpt.is_dir():
@@ -184,6 +187,17 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
                  facts["elements"], facts.get("reload_max_abs_diff"))
         exports["adapter"] = str(out_dir / "adapter")
         net_factory, net_state = (lambda: merged), merged.state_dict()  # noqa: E731
+    if int8_batches is not None:
+        import json
+
+        from dsdebug.models.int8_export import export_int8
+
+        net = net_factory()
+        if adapter is None:  # the merged net already holds its weights
+            net.load_state_dict(net_state)
+        facts = export_int8(net, out_dir / "model_int8.pt", int8_batches)
+        (out_dir / "int8.json").write_text(json.dumps(facts, indent=2))
+        exports["int8"] = facts["path"]
     if hf:
         net = net_factory()
         if not hasattr(net, "save_pretrained"):

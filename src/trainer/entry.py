@@ -26,6 +26,7 @@ from dsdebug.errors import ConfigError, StoppedByCheck
 from dsdebug.findings import configure_channel, get_channel
 from dsdebug.findings.sinks import attach_dashboards
 from dsdebug.checkpoint.checkpoints import FinalCheckpoint, export_final, resolve_ckpt_path
+from dsdebug.models.int8_export import val_batches
 from dsdebug.report.finish import finish_run
 from dsdebug.report.history import HistoryLogger
 from dsdebug.checkpoint.final_step import FinalStep
@@ -156,6 +157,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf),
                 tokenizer_dir=pretrained.local_dir if pretrained is not None else None,
                 adapter=getattr(module, "adapter", None),  # model.adapter: export/adapter + the merged net
+                int8_batches=val_batches(datamodule, cfg.trainer.get("limit_val_batches"))
+                if cfg.export.get("int8") else None,  # export.int8: size and val perplexity vs fp32
             )
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         report = finish_run(output_dir)  # advisor rules -> findings, then report.html / report.md
