@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def doctor(cfg: DictConfig) -> dict[str, Any]:
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     if not is_prepared(cfg):
         raise RuntimeError("doctor(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()
@@ -67,6 +67,7 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
     failed = [r for r in results if r.failed]
     seconds = round(time.time() - started, 2)
     metrics = {"status": "doctor_failed" if failed else "doctor_passed", "doctor_time_s": seconds,
+               "doctor_cpu_s": round(time.process_time() - cpu_started, 2),  # rank 0's process, all its threads
                "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
                "doctor": [asdict(r) for r in results]}
     if trainer.is_global_zero:
@@ -76,7 +77,9 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
             finish_run(output_dir)  # a failed doctor's report is written by the CLI with crash.json
     if failed:
         first = failed[0]
-        raise StoppedByCheck(Finding("doctor", "error", first.probe, summary_line(results), first.advice))
+        stop = StoppedByCheck(Finding("doctor", "error", first.probe, summary_line(results), first.advice))
+        stop.args = (summary_line(results),)  # the CLI's one line: which probes failed and their culprits
+        raise stop
     return metrics
 
 

@@ -19,12 +19,19 @@ NAME = "overfit"
 
 def overfit(stepper: Any, batch: dict, steps: int = 16, drop: float = 0.7, coverage_failed: str = "",
             lr_key: str = "optim.lr") -> tuple[ProbeResult, list[float]]:
-    """Pass when the last loss <= ``drop`` x the first (it fell by 30 %: a healthy net on one batch does so in
+    """Pass when the last loss <= ``drop`` x the first (it fell by 30 %; the probe stops at the first step
+    where it has on every rank, after 3 steps at least: a healthy net on one batch does so in
     a dozen steps; a frozen, clipped or LR-starved one does not). Returns (result, losses). The steps run at
     each param group's peak LR (the schedule paused: the plan probe judges the schedule), with the
     run's optimizer and clipping; the stepper stays in that mode (a checkpoint replay after it)."""
     stepper.hold_peak_lr = True
-    infos = [stepper.step(batch) for _ in range(steps)]
+    infos = []
+    for k in range(steps):
+        infos.append(stepper.step(batch))
+        fallen = math.isfinite(infos[-1].loss) and infos[-1].loss <= drop * infos[0].loss
+        if k >= 2 and stepper.agree(fallen):  # every rank's loss fell far: done (COLLECTIVE, every step)
+            break
+    steps = len(infos)
     losses = [i.loss for i in infos]
     first, last = losses[0], losses[-1]
     details = {"steps": steps, "first": round(first, 4), "last": round(last, 4), "losses": [round(x, 4) for x in losses],

@@ -130,6 +130,10 @@ class TorchStepper:
     def gradient_clip(self) -> float | None:
         return self.clip
 
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds (one process: itself)."""
+        return bool(flag)
+
 
 class StrategyStepper:
     """The run's step through its Lightning strategy (see the module docstring). ``prefix`` is
@@ -173,6 +177,10 @@ class StrategyStepper:
             return float(value) if value else None
         value = self.trainer.gradient_clip_val
         return float(value) if value else None
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank. COLLECTIVE."""
+        return bool(self.trainer.strategy.reduce_boolean_decision(bool(flag), all=True))
 
     @contextmanager
     def _quiet_logging(self) -> Iterator[None]:

@@ -26,7 +26,7 @@ def test_a_planted_look_ahead_exits_3_naming_the_module(tmp_path, shared_cache):
                       "data.batch_size=4", "data.seq_len=32"], tmp_path / "logs", shared_cache)
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = error_lines(proc)
-    assert len(lines) == 1 and "causality (mix)" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: doctor: ") and "causality (mix)" in lines[0], lines
     assert "preflight doctor" in proc.stderr and "Traceback" not in proc.stderr
     run_dir = only_run_dir(tmp_path / "logs")
     found = _doctor_findings(run_dir)

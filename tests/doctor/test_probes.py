@@ -135,6 +135,7 @@ def test_coverage_param_group_left_out():
     decay_only = [p for n, p in net.named_parameters() if p.ndim >= 2]  # the no-decay group forgotten
     result, _ = coverage(_stepper(net, params=decay_only), _batch())
     assert result.status == "fail" and (result.culprit.endswith(".bias") or result.culprit.startswith("norm")), result
+    assert "not owned" in result.message
 
 
 def test_coverage_parameter_without_gradient():
@@ -153,7 +154,8 @@ def test_coverage_frozen_parameter_that_moves():
 
 def test_overfit_healthy_loss_falls():
     result, losses = overfit(_stepper(_net(planted.TinyCausalLM), lr=1e-2, clip=None), _batch(), steps=20)
-    assert result.status == "pass" and losses[-1] < 0.5 * losses[0], result
+    assert result.status == "pass" and losses[-1] <= 0.7 * losses[0], result
+    assert 3 <= len(losses) < 20  # stops once the loss has fallen far
 
 
 def test_overfit_tiny_lr_names_the_lr():

@@ -215,3 +215,25 @@ def build_tiny_gpt2(vocab_size: int = 4096, hidden: int = 64, layers: int = 2, h
 
     config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions)
     return GPT2LMHeadModel(config)
+
+
+def build_tiny_llama(vocab_size: int = 4096, hidden: int = 64, layers: int = 2, heads: int = 2,
+                     max_positions: int = 128, **_: object) -> nn.Module:
+    """A healthy Llama (RoPE, RMSNorm, SwiGLU, grouped KV heads) from a config, random init."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+                         max_position_embeddings=max_positions)
+    return LlamaForCausalLM(config)
+
+
+def build_tiny_mixtral(vocab_size: int = 4096, hidden: int = 64, layers: int = 2, heads: int = 2,
+                       max_positions: int = 128, **_: object) -> nn.Module:
+    """A healthy Mixtral-style MoE (4 experts, top-2) from a config, random init."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=max_positions)
+    return MixtralForCausalLM(config)
