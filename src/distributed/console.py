@@ -31,6 +31,10 @@ KNOWN_WARNINGS: list[tuple[type[Warning], str, str, str]] = [
      "Lightning 2.6.6 calls a torch pytree API that torch 2.13 deprecated; Lightning's business, harmless"),
     (Warning, r"torch\.distributed\.nn\.functional\.all_gather is deprecated", r"lightning\.",
      "Lightning 2.6.6's all_gather (the checks' cross-rank stats) uses a torch API that torch 2.13 deprecated; harmless"),
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     r"torch\.distributed\.",
+     "DeepSpeed 0.19.8's ZeRO-3 gathers/reduce-scatters with torch APIs that torch 2.13 deprecated; DeepSpeed's "
+     "business, harmless"),
 ]
 
 

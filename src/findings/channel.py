@@ -138,7 +138,8 @@ class FindingsChannel:
         from rich.console import Console
         from rich.text import Text
 
-        console = Console(stderr=True, soft_wrap=True, highlight=False)  # lines as written, no 80-column wrap
+        # stdout, after the run summary table: the verdict is the console's last line; no 80-column wrap
+        console = Console(soft_wrap=True, highlight=False)
         for line in self.summary_lines(report, status):
             style = "bold red" if line.startswith("ERROR") else "yellow" if line.startswith("WARNING") else None
             console.print(Text(line, style=style))

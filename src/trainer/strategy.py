@@ -144,6 +144,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+        cache_cpu_device_count()
 
     def _device_rank(self) -> int:
         index = self.root_device.index
@@ -270,3 +271,18 @@ def enable_activation_checkpointing(config: dict, module: Any, is_global_zero: b
         log.warning("ds_config activation_checkpointing is ignored: %s has no gradient checkpointing "
                     "(gradient_checkpointing_enable); call deepspeed.checkpointing.checkpoint in its forward",
                     type(net).__name__)
+
+
+def cache_cpu_device_count() -> None:
+    """DeepSpeed's CPU accelerator answers ``device_count()`` by running ``numactl --hardware`` in a
+    subprocess, and ZeRO-3 asks at every gradient reduction: a fork+exec per step, and each
+    subprocess start resets Python's warning registry (``os.get_exec_path`` enters
+    ``warnings.catch_warnings``), so every third-party warning printed again at every step on
+    every rank. The answer cannot change while the process runs: ask once, keep it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not hasattr(accelerator, "_dsdebug_device_count"):
+        count = accelerator.device_count()
+        accelerator._dsdebug_device_count = count
+        accelerator.device_count = lambda: count

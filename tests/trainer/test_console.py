@@ -121,3 +121,90 @@ def test_two_process_console_prints_each_line_once(tmp_path_factory, shared_cach
     # malloc_tuning (default true) is applied on every rank, the child ranks too
     tuned = "host allocator: glibc malloc keeps freed memory (mmap threshold 32 MiB, heap never trimmed"
     assert tuned in (run_dir / "rank1.log").read_text() and tuned in proc.stdout + proc.stderr
+
+
+def test_deepspeed_cpu_device_count_no_longer_resets_the_warning_registry_each_step():
+    """Why every torch FutureWarning printed at every step: ZeRO-3 asks DeepSpeed's CPU accelerator
+    for device_count() at each gradient reduction, which starts `numactl` in a subprocess; starting a
+    subprocess enters warnings.catch_warnings (os.get_exec_path), and that resets every 'print once'
+    registry. The strategy asks once and keeps the answer (trainer/strategy.py cache_cpu_device_count)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dsdebug.trainer.strategy import cache_cpu_device_count
+
+    mutations = []
+    real = warnings._filters_mutated
+
+    def counting():
+        mutations.append(1)
+        real()
+
+    accelerator = get_accelerator()
+    warnings._filters_mutated = counting
+    try:
+        if not hasattr(accelerator, "_dsdebug_device_count"):  # the cause, shown before the fix is applied
+            before = accelerator.device_count()
+            assert mutations, "device_count() did not reset the warning filters: the cause is gone?"
+        cache_cpu_device_count()
+        mutations.clear()
+        counts = {accelerator.device_count() for _ in range(3)}
+        assert mutations == [] and counts == {accelerator._dsdebug_device_count}
+        assert "before" not in locals() or counts == {before}  # the same answer, asked once
+    finally:
+        warnings._filters_mutated = real
+
+
+def test_deepspeeds_torch_deprecations_are_filtered():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.filter_known_warnings()
+        for name, replacement in (("all_gather_into_tensor", "all_gather_single"),
+                                  ("reduce_scatter_tensor", "reduce_scatter_single")):
+            warnings.warn_explicit(f"`torch.distributed.{name}` is deprecated. Please use "
+                                   f"`torch.distributed.{replacement}` instead.", FutureWarning, "c10d_logger.py", 83,
+                                   module="torch.distributed.c10d_logger")
+        warnings.warn_explicit("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning, "mine.py", 1,
+                               module="my_project.train")  # the user's own call is theirs to see
+    assert [w.filename for w in caught] == ["mine.py"]
+
+
+# ---- the end of a run: one verdict line, the report path last; nothing printed more than twice ----
+def _assert_run_end(text: str, last_stream: str, run_dir) -> None:
+    """``text``: all the console showed; ``last_stream``: the stream the run ends on."""
+    repeated = {line: n for line, n in Counter(console_lines(text)).items() if n > 2}
+    assert not repeated, repeated  # a line per rank at most (the per-step warnings printed 244 times)
+    assert "FutureWarning" not in text
+    last = [line for line in re.split(r"[\r\n]", last_stream) if line.strip()][-1]
+    assert last.startswith("verdict: ") and last.endswith(f"report: {run_dir / 'report.html'}"), last
+    assert sum(1 for line in text.splitlines() if line.startswith("verdict: ")) == 1
+
+
+def test_zero3_debug_full_run_ends_with_one_verdict_and_no_repeated_line(tmp_path_factory, shared_cache):
+    """The shared 2-process ZeRO-3 debug=full run (the card's command, 6 steps): stdout ends with the
+    verdict, every stdout+stderr line at most twice, the two torch deprecations DeepSpeed triggers
+    at every step not at all."""
+    run_dir, proc = healthy_run("zero3", tmp_path_factory, shared_cache)
+    _assert_run_end(proc.stdout + "\n" + proc.stderr, proc.stdout, run_dir)
+    assert proc.stdout.strip().splitlines()[-1].startswith("verdict: healthy: no warning or error (")
+
+
+@pytest.mark.slow  # a 2-process ZeRO-3 run of the default model (~1-2 min on 2 cores); the fast cover: above
+def test_the_cards_command_console(tmp_path, shared_cache):
+    """`python train.py strategy=zero3 debug=full trainer=ddp_sim` as the card gives it (default model, data,
+    progress bar; short), from a shell without PYTHONHASHSEED, stdout and stderr as a terminal interleaves
+    them: no line more than twice, no hash-seed advice it cannot follow, the verdict last with the report path."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import REPO, only_run_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(DSDEBUG_CACHE_DIR=str(shared_cache), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "strategy=zero3", "debug=full", "trainer=ddp_sim",
+                           "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+                           "data.max_tokens=60000", "export.hf=false", f"paths.log_dir={tmp_path}"],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    _assert_run_end(proc.stdout, proc.stdout, only_run_dir(tmp_path))
+    assert "reproducibility/hash_seed_late" not in proc.stdout  # the command set PYTHONHASHSEED itself
