@@ -125,7 +125,7 @@ def _summarize_findings_after_crash() -> None:
 
     channel = get_channel()
     if channel.read_all():
-        channel.print_summary()
+        channel.print_summary(status="crashed")  # never "healthy": the error line follows
 
 
 def _unsafe_pickle(exc: BaseException) -> str | None:
