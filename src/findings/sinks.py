@@ -30,11 +30,13 @@ import logging
 from typing import Any, Iterable
 
 from dsdebug.findings.channel import Finding, FindingsChannel
+from dsdebug.findings.incidents import group, verdict
 from dsdebug.findings.secrets import redact_text
 
 log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = ["severity", "check", "code", "step", "rank", "message", "advice"]
+INCIDENT_COLUMNS = ["severity", "incident", "root finding", "step", "findings", "message", "also seen as"]
 _WANDB_LEVEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
 
@@ -87,21 +89,35 @@ class DashboardSink:
                                                                          level=_WANDB_LEVEL["error"]))
 
     def finish(self, records: list[dict[str, Any]]) -> None:
-        """After fit: the findings not sent live (other ranks, the report's rules), then W&B's table."""
+        """After fit: the findings not sent live (other ranks, the report's rules), then the incidents
+        (incidents.py: the verdict and one line per root cause; TensorBoard text ``incidents``, W&B
+        table ``incidents`` and summary ``verdict``), then W&B's table of every finding."""
         for record in records:
             self.send(record)
+        incidents = group(records)
+        last_step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+        summary = redact_text("\n\n".join([verdict(records)] + [
+            f"**{i.severity}** {i.title()} (`{i.source()}`): {i.root.get('message', '')}"
+            + (f" — also seen as: {i.evidence_text()}" if i.evidence else "") for i in incidents]))
         for logger in self.tensorboard:
+            self._guard("tensorboard", lambda lg=logger: lg.experiment.add_text("incidents", summary,
+                                                                               global_step=last_step))
             self._guard("tensorboard", lambda lg=logger: lg.experiment.flush())
         if not self.wandb:
             return
         rows = [[r.get("severity"), r.get("check"), r.get("code"), r.get("step"),
                  "all" if r.get("rank") is None else str(r.get("rank")),
                  redact_text(str(r.get("message", ""))), redact_text(str(r.get("advice", "")))] for r in records]
+        incident_rows = [[i.severity, redact_text(i.title()), i.source(), i.step, i.count,
+                          redact_text(str(i.root.get("message", ""))), redact_text(i.evidence_text())] for i in incidents]
 
         def log_table(logger: Any) -> None:
             import wandb
 
-            logger.experiment.log({"findings": wandb.Table(columns=TABLE_COLUMNS, data=rows, allow_mixed_types=True)})
+            logger.experiment.log({"findings": wandb.Table(columns=TABLE_COLUMNS, data=rows, allow_mixed_types=True),
+                                   "incidents": wandb.Table(columns=INCIDENT_COLUMNS, data=incident_rows,
+                                                            allow_mixed_types=True)})
+            logger.experiment.summary["verdict"] = redact_text(verdict(records))
 
         for logger in self.wandb:
             self._guard("wandb", lambda lg=logger: log_table(lg))

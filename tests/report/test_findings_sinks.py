@@ -18,6 +18,7 @@ class _Writer:
         self.texts: list[tuple] = []
         self.alerts: list[dict] = []
         self.logged: list[dict] = []
+        self.summary: dict = {}
 
     def add_text(self, tag, text, global_step=None):
         self.texts.append((tag, text, global_step))
@@ -69,7 +70,15 @@ def test_errors_alert_every_finding_is_text_and_the_table_has_all(tmp_path):
     other = json.loads(Finding(check="log_sync", severity="error", code="straggler", message="rank 1 slow",
                                step=4, rank=1).to_json())
     sink.finish([*channel.read_all(), other])
-    assert len(tb.experiment.texts) == 4 and len(wb.experiment.alerts) == 2
+    assert len(tb.experiment.texts) == 5 and len(wb.experiment.alerts) == 2
+    # the incidents (src/findings/incidents.py): the verdict first, one line per root cause
+    tag, text, step = tb.experiment.texts[-1]
+    assert tag == "incidents" and step == 4
+    assert text.startswith("verdict: 3 incidents (2 errors, 1 warning); worst: nan_triage/nan_error at step 3 ")
+    assert "**error** log_sync/straggler at step 4 on rank 1" in text and "abc123" not in text
+    incidents = wb.experiment.logged[-1]["incidents"]
+    assert [row[2] for row in incidents.data] == ["nan_triage/nan_error", "log_sync/straggler", "nan_triage/nan_warning"]
+    assert wb.experiment.summary["verdict"].startswith("verdict: 3 incidents")
     table = wb.experiment.logged[-1]["findings"]
     assert [row[2] for row in table.data] == ["nan_info", "nan_warning", "nan_error", "straggler"]
     assert [row[4] for row in table.data] == ["0", "0", "0", "1"]  # one type per column (W&B refuses mixed)
