@@ -191,9 +191,11 @@ class GradMonitor(DebugCallback):
         where = f"step {trainer.global_step}, batch {self._batch_idx}"
         listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         if bad_loss_ranks:
+            # every gradient follows from the bad loss: the parameters (registration order) locate nothing
             lead = (f"non-finite loss on rank(s) {bad_loss_ranks} at {where}: {kind} gradients in {len(bad)}/"
-                    f"{len(self._names)} parameters ({listed}) in {len(layers)} layer(s); the forward pass of "
-                    f"that rank's batch produced it")
+                    f"{len(self._names)} parameters in {len(layers)} layer(s), all downstream of that loss (so "
+                    f"not a culprit: {listed}); the forward pass of that rank's batch produced it "
+                    f"(+callbacks=nan_triage names the module)")
         else:
             lead = (f"{kind} gradient in {first} (layer {layer_of(first)}) at {where}: {len(bad)}/{len(self._names)} "
                     f"parameters non-finite ({listed}); the loss was finite on every rank, so it arose in backward "

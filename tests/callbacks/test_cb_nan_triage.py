@@ -116,6 +116,9 @@ def test_one_planted_nonfinite_value_is_one_incident_naming_where_it_arose(varia
     incident = incidents[0]
     assert incident.title() == f"non-finite values from step 1 in {where} on rank 0"
     assert incident.source() == "nan_triage/nan_reproducible" and incident.count == len(loud)
+    # grad_monitor sees every gradient non-finite: its parameter list (registration order) is no culprit
+    grad = next(r for r in loud if r["check"] == "grad_monitor" and r["step"] == 1)
+    assert "so not a culprit: embed.weight" in grad["message"] and "nan_triage names the module" in grad["message"]
     lines = FindingsChannel(run_dir).summary_lines(run_dir / "report.html", "completed")
     assert lines[1].startswith(f"ERROR   non-finite values from step 1 in {where} on rank 0")
     assert lines[-1].startswith("verdict: 1 incident (1 error); worst: non-finite values from step 1 in "
