@@ -9,6 +9,7 @@ in the report instead of taking the report down.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,25 @@ def all_findings(run: RunData) -> list[dict[str, Any]]:
     except Exception:  # noqa: BLE001 - rules over a partial run must not hide the rest
         log.warning("report: advisor rules failed", exc_info=True)
         extra = []
-    return list(run.findings) + extra
+    found = list(run.findings) + extra
+    return [in_plain_words(f) for f in found] if run.plain else found
+
+
+# dsdebug-train's debug= presets -> the callback a plain Lightning project adds instead (conf/debug/*.yaml)
+PRESET_CLASSES = {"data": "DataInspector()", "grads": "GradMonitor()", "comm": "CommDebug()", "logs": "LogSync()",
+                  "profile": "Profiler()", "repro": "Reproducibility()", "freeze": "FreezeVerify()",
+                  "light": "the dsdebug checks", "full": "every dsdebug check"}
+
+
+def in_plain_words(finding: dict[str, Any]) -> dict[str, Any]:
+    """A finding of a plain Lightning run with ``debug=<preset>`` in its text said as the callback to add
+    (``debug=data`` -> ``DataInspector()``): presets exist only under dsdebug-train."""
+    def say(text: Any) -> Any:
+        if not isinstance(text, str) or "debug=" not in text:
+            return text
+        return re.sub(r"\bdebug=(\w+)", lambda m: PRESET_CLASSES.get(m.group(1), m.group(0)), text)
+
+    return {**finding, "message": say(finding.get("message")), "advice": say(finding.get("advice"))}
 
 
 def last_value(run: RunData, key: str) -> float | None:

@@ -36,6 +36,11 @@ def _report(run_dir: Path, capsys) -> tuple[str, str]:
     return (run_dir / "report.md").read_text(), capsys.readouterr().err
 
 
+SPIKE = {"check": "loss_spike", "severity": "warning", "code": "loss_spike", "step": 3, "rank": None,
+         "message": "loss spike at step 3", "advice": "inspect that batch (debug=data) and the LR", "details": {},
+         "time": 1.5}
+
+
 PLAIN = {"runner": "lightning", "status": "completed", "command": "python src/train.py trainer=ddp_sim",
          "strategy": "DDPStrategy", "world_size": 2, "precision": "32-true", "global_step": 6, "time_s": 3.1,
          "loggers": ["TensorBoardLogger"]}
@@ -43,7 +48,7 @@ PLAIN = {"runner": "lightning", "status": "completed", "command": "python src/tr
 
 def test_findings_in_a_logger_subfolder_are_found_and_named(tmp_path, capsys):
     run = tmp_path / "run"
-    _write(run / "tensorboard" / "version_0", [NAN, SUMMARY], PLAIN,
+    _write(run / "tensorboard" / "version_0", [NAN, SPIKE, SUMMARY], PLAIN,
            [{"step": s, "train/loss": 1.0 / (s + 1)} for s in range(6)])
     report, err = _report(run, capsys)
     assert "read tensorboard/version_0/findings.jsonl" in report and "no findings:" not in report
@@ -56,6 +61,16 @@ def test_findings_in_a_logger_subfolder_are_found_and_named(tmp_path, capsys):
     assert "GradMonitor ran" in report and "enable debug=" not in report
     assert "add LogSync() to the Trainer's callbacks" in report  # a check that did not run: its class
     assert "stopped before composing" not in report
+    # a check's advice in dsdebug-train's words (debug=data) is said as the callback to add
+    assert "inspect that batch (DataInspector()) and the LR" in report and "debug=data" not in report
+
+
+def test_a_dsdebug_train_run_keeps_its_presets(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write(run, [SPIKE], {"status": "completed", "global_step": 6})
+    (run / "config_resolved.yaml").write_text("trainer:\n  devices: 1\n")
+    report, _ = _report(run, capsys)
+    assert "(debug=data)" in report and "read findings.jsonl" in report
 
 
 def test_no_findings_file_is_not_an_all_clear(tmp_path, capsys):
