@@ -56,13 +56,24 @@ PRESET_CLASSES = {"data": "DataInspector()", "grads": "GradMonitor()", "comm": "
                   "light": "the dsdebug checks", "full": "every dsdebug check"}
 
 
+# conf/callbacks/<name>.yaml -> the class (src/callbacks/__init__.py's table; the report layer cannot import it)
+CHECK_CLASSES = {"reproducibility": "Reproducibility", "comm_debug": "CommDebug", "grad_monitor": "GradMonitor",
+                 "data_inspector": "DataInspector", "profiler": "Profiler", "freeze_verify": "FreezeVerify",
+                 "grad_checkpointing": "GradCheckpointing", "log_sync": "LogSync", "replica_parity": "ReplicaParity",
+                 "loss_spike": "LossSpike", "layer_health": "LayerHealth", "moe_router": "MoERouter",
+                 "memory": "MemoryMonitor", "throughput": "Throughput", "mixed_precision": "MixedPrecisionCheck",
+                 "nan_triage": "NaNTriage", "grad_scale": "GradScaleCheck", "consistency": "ConsistencyCheck"}
+
+
 def in_plain_words(finding: dict[str, Any]) -> dict[str, Any]:
-    """A finding of a plain Lightning run with ``debug=<preset>`` in its text said as the callback to add
-    (``debug=data`` -> ``DataInspector()``): presets exist only under dsdebug-train."""
+    """A finding of a plain Lightning run with ``debug=<preset>`` or ``+callbacks=<check>`` in its text said
+    as the callback to add (``debug=data`` -> ``DataInspector()``): both exist only under dsdebug-train."""
     def say(text: Any) -> Any:
-        if not isinstance(text, str) or "debug=" not in text:
+        if not isinstance(text, str) or ("debug=" not in text and "+callbacks=" not in text):
             return text
-        return re.sub(r"\bdebug=(\w+)", lambda m: PRESET_CLASSES.get(m.group(1), m.group(0)), text)
+        text = re.sub(r"\bdebug=(\w+)", lambda m: PRESET_CLASSES.get(m.group(1), m.group(0)), text)
+        return re.sub(r"\+callbacks=(\w+)", lambda m: f"{CHECK_CLASSES[m.group(1)]}()" if m.group(1) in CHECK_CLASSES
+                      else m.group(0), text)
 
     return {**finding, "message": say(finding.get("message")), "advice": say(finding.get("advice"))}
 

@@ -167,7 +167,7 @@ def _assert_nan_named(run_dir: Path, findings_dir: str = "tensorboard/version_0"
     findings = run_dir / findings_dir / "findings.jsonl"  # trainer.log_dir: the first logger's folder
     records = [json.loads(line) for line in findings.read_text().splitlines()]
     nan = [r for r in records if (r["check"], r["code"]) == ("grad_monitor", "nonfinite_grad")]
-    assert nan and nan[0]["step"] == 2 and "model.0.weight" in nan[0]["message"], records
+    assert nan and nan[0]["step"] == 2 and "non-finite loss" in nan[0]["message"], records
     assert {r.get("rank") for r in records} >= {0, None}
 
     # the report, given the Hydra run dir, finds the logger's findings file and names the NaN
@@ -176,7 +176,7 @@ def _assert_nan_named(run_dir: Path, findings_dir: str = "tensorboard/version_0"
     assert_ok(proc)
     report = (run_dir / "report.md").read_text()
     assert f"read {findings_dir}/findings.jsonl" in report and "no findings:" not in report
-    assert "grad_monitor/nonfinite_grad" in report and "model.0.weight" in report
+    assert "grad_monitor/nonfinite_grad" in report and "non-finite loss" in report
     summary = report.split("## Findings")[0]
     assert "| status | completed |" in summary and "src/train.py callbacks=dsdebug_full" in summary, summary
     assert "enable debug=" not in report, "dsdebug-train's vocabulary in a plain project's report"

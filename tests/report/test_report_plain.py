@@ -16,7 +16,8 @@ import pytest
 from dsdebug.report.__main__ import main
 
 NAN = {"check": "grad_monitor", "severity": "error", "code": "nonfinite_grad", "step": 3, "rank": None,
-       "message": "non-finite loss on rank(s) [0, 1] at step 3: NaN gradients in layer.weight", "advice": "lower the LR",
+       "message": "non-finite loss on rank(s) [0, 1] at step 3: NaN gradients in layer.weight (+callbacks=nan_triage "
+       "names the module)", "advice": "lower the LR",
        "details": {}, "time": 1.0}
 SUMMARY = {"check": "grad_monitor", "severity": "info", "code": "grad_summary", "step": 6, "rank": None,
            "message": "checked 6 steps", "advice": "", "details": {}, "time": 2.0}
@@ -63,6 +64,7 @@ def test_findings_in_a_logger_subfolder_are_found_and_named(tmp_path, capsys):
     assert "stopped before composing" not in report
     # a check's advice in dsdebug-train's words (debug=data) is said as the callback to add
     assert "inspect that batch (DataInspector()) and the LR" in report and "debug=data" not in report
+    assert "(NaNTriage() names the module)" in report and "+callbacks=" not in report
 
 
 def test_a_dsdebug_train_run_keeps_its_presets(tmp_path, capsys):
@@ -120,3 +122,13 @@ def test_hints_speak_the_runs_vocabulary(tmp_path, plain):
         assert text.startswith("add GradMonitor() to the Trainer's callbacks"), text
     else:
         assert text == "enable debug=grads (grad_monitor)"
+
+
+def test_check_names_map_to_their_classes():
+    """The report's name -> class table (it cannot import the callbacks layer) matches every check."""
+    import dsdebug.callbacks as callbacks
+    from dsdebug.report.render import CHECK_CLASSES
+
+    checks = {getattr(callbacks, cls).name: cls for cls in callbacks._MODULES
+              if cls not in ("DebugCallback", "DeepSpeedWallClock")}
+    assert CHECK_CLASSES == checks
