@@ -9,7 +9,8 @@ and steps) and whose advice is the table's row, in this framework's config keys.
 | code | fires when | evidence |
 |---|---|---|
 | ``loss_not_falling`` | train/loss after warmup falls < 1% from its first to its last quarter | both means, steps, LR |
-| ``loss_oscillating`` | after warmup, train/loss swings around its trend by > 5% of its level | swing, trend level |
+| ``loss_oscillating`` | after warmup, train/loss swings around its trend by > 5% of its level, AND the loss is not implausibly low and the swing does not repeat with the epoch (then it is the data's, not the LR's) | swing, trend level |
+| ``loss_implausibly_low`` | after warmup the loss sits below 10% of where it started (an untrained LM starts at ~ln(vocab)) | level, start, epochs: memorisation (many epochs over few samples) or leakage |
 | ``loss_diverging`` | after warmup the loss ends > 50% above its minimum, or becomes NaN/inf | min, end, first bad step |
 | ``val_loss_rising`` | val/loss rose > 5% above its best (>= 3 evaluations) | best step and value, last |
 | ``out_of_memory`` | the run died of OOM (CUDA OOM, or a rank SIGKILLed) or memory > 95% of the device | error / peak |
@@ -90,6 +91,47 @@ def _trend(values: list[float], window: int = 5) -> list[float]:
     return [mean(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
 
 
+def _start_loss(run: RunData) -> float | None:
+    _, values = run.series("train/loss")
+    head = [v for v in values[:3] if math.isfinite(v)]
+    return mean(head) if head else None
+
+
+def _implausibly_low(run: RunData, level: float) -> bool:
+    """The loss sits below 10% of where it started: no LM on real text gets there in one run (natural
+    text keeps >= ~1-2 nats/token against a start of ~ln(vocab)); a model that sees its answer or has
+    memorised a few samples does."""
+    start = _start_loss(run)
+    return start is not None and start > 0 and level < 0.1 * start
+
+
+def _epochs(run: RunData) -> tuple[int, int | None]:
+    """(passes over the training data, optimizer steps per pass) from the logged ``epoch``."""
+    steps, epochs = run.series("epoch")
+    if not epochs:
+        return 1, None
+    first_next = next((s for s, e in zip(steps, epochs) if e >= 1), None)
+    return int(max(epochs)) + 1, first_next
+
+
+def _repeats_with_epoch(run: RunData, steps: list[int], resid: list[float]) -> bool:
+    """The swing comes back with the data: residuals one epoch apart correlate (few samples, many
+    epochs: each batch has its own loss, the LR is not the cause)."""
+    passes, period = _epochs(run)
+    if passes < 3 or not period or period < 2:
+        return False
+    at = dict(zip(steps, resid))
+    pairs = [(at[s], at[s + period]) for s in steps if s + period in at]
+    if len(pairs) < 2 * period or len(pairs) < 6:
+        return False
+    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
+    sx, sy = pstdev(xs), pstdev(ys)
+    if sx == 0 or sy == 0:
+        return False
+    mx, my = mean(xs), mean(ys)
+    return mean((a - mx) * (b - my) for a, b in pairs) / (sx * sy) >= 0.5
+
+
 def loss_oscillating(run: RunData) -> dict | None:
     steps, loss = _after_warmup(run, "train/loss")
     if len(loss) < 8 or not all(math.isfinite(v) for v in loss):
@@ -100,6 +142,11 @@ def loss_oscillating(run: RunData) -> dict | None:
     swing = pstdev(resid)
     if level == 0 or swing / level <= 0.05:
         return None
+    # "lower the LR" only on its own evidence: a loss near zero swings by a large share of a tiny level
+    # (leakage, memorisation: loss_implausibly_low says so), and a swing that repeats every epoch is
+    # the few samples' own losses coming round again
+    if _implausibly_low(run, level) or _repeats_with_epoch(run, steps, resid):
+        return None
     return _finding(
         "loss_oscillating", "warning",
         f"after warmup train/loss swings ±{2 * swing:.3f} around its trend ({swing / level:.0%} of its level "
@@ -107,6 +154,33 @@ def loss_oscillating(run: RunData) -> dict | None:
         "lower the learning rate (optim.lr), lengthen warmup (optim.scheduler.warmup_ratio), or use a larger batch "
         "(trainer.accumulate_grad_batches, data.global_batch_size)",
         swing=swing, level=level,
+    )
+
+
+def loss_implausibly_low(run: RunData) -> dict | None:
+    steps, loss = _after_warmup(run, "train/loss")
+    loss = [v for v in loss if math.isfinite(v)]
+    if len(loss) < 8:
+        return None
+    q = max(2, len(loss) // 4)
+    level, start = mean(loss[-q:]), _start_loss(run)
+    if not _implausibly_low(run, level):
+        return None
+    passes, period = _epochs(run)
+    if passes >= 3:
+        why = (f"the run made {passes} passes over its training data ({period} steps each): it memorised "
+               "a few samples")
+        advice = ("give the run more distinct data (data.max_tokens, a bigger corpus) or fewer steps; a val/loss "
+                  "that rises meanwhile confirms memorisation, a val/loss as low as train points at leakage")
+    else:
+        why = "in under 3 passes over the data: the model likely sees what it predicts (leakage)"
+        advice = ("check causality (attention mask, position t must not see t+1), that labels are not in the "
+                  "inputs, and that train and val do not overlap (debug=data); lowering the LR will not help")
+    return _finding(
+        "loss_implausibly_low", "warning",
+        f"train/loss fell from {start:.4f} to {level:.4f} (last quarter after warmup, steps "
+        f"{steps[-q]}-{steps[-1]}), below 10% of where it started: {why}",
+        advice, level=level, start=start, passes=passes, steps_per_pass=period,
     )
 
 
@@ -261,7 +335,7 @@ def _first_line(text: str) -> str:
 
 
 RULES: list[Callable[[RunData], dict | None]] = [
-    loss_not_falling, loss_oscillating, loss_diverging, val_loss_rising, out_of_memory, too_slow,
+    loss_not_falling, loss_oscillating, loss_implausibly_low, loss_diverging, val_loss_rising, out_of_memory, too_slow,
     nccl_timeout, mixed_precision_unstable, checkpoint_restore_failed,
 ]
 

@@ -69,7 +69,8 @@ def test_warmup_and_rollback_window():
     w = _window()
     for step in range(9):
         w.push(step, 3.0, 1.0)
-    assert not w.judge(30.0, 1.0)["spike"]  # fewer than warmup_steps healthy steps
+    assert not w.judge(4.2, 1.0)["spike"]  # +40%: a spike for a warm window, not for the early rule (x2) ...
+    assert w.judge(30.0, 1.0)["early"] and w.judge(30.0, 1.0)["spike"]  # ... which catches x10 before warm-up
     for step in range(9, 40):
         w.push(step, 3.0 if step < 20 else 9.0, 1.0)
     assert not w.judge(10.0, 1.0)["spike"]  # the window moved on to 9
@@ -78,6 +79,48 @@ def test_warmup_and_rollback_window():
 
 
 # ---- the skip record and the data path ------------------------------------------------------------
+def test_early_steps_judged_against_an_untrained_models_loss_then_a_short_history():
+    """Issue 26 §4: no history needed at step 0 (ln(vocab)); from 3 healthy steps a jump against the last 5."""
+    lnv = math.log(4096)
+    w = SpikeWindow(window=50, warmup_steps=20, z_threshold=6.0, min_rel_jump=0.25, grad_ratio=3.0, prior=lnv)
+    assert not w.judge(lnv + 0.2, 1.0)["spike"]  # an untrained LM starts at ~ln(vocab)
+    v = w.judge(36.7, 1.0)  # logits x20 / a loss scale / an LR blow-up: far above it at step 0
+    assert v["spike"] and v["early"] and "untrained model's ln(vocab) = 8.318" in v["why"]
+    healthy = [8.4, 8.3, 8.0, 7.4, 7.0, 6.7, 6.5]
+    for step, loss in enumerate(healthy):  # the fast early fall is silent
+        assert not w.judge(loss, 1.0 - 0.05 * step)["spike"], step
+        w.push(step, loss, 1.0 - 0.05 * step)
+    assert not w.judge(7.2, 0.8)["spike"]  # a bounce within the noise
+    v = w.judge(8.9, 0.8)  # +27% on the median 7.0 and back above ln(vocab): worse than an untrained model (corrupt batch)
+    assert v["spike"] and "back above an untrained model's" in v["why"]
+    unknown = SpikeWindow(window=50, warmup_steps=20, z_threshold=6.0, min_rel_jump=0.25, grad_ratio=None)
+    assert not unknown.judge(36.7, None)["spike"]  # no prior (not an LM): step 0 is not judged
+    for step in range(3):
+        unknown.push(step, 2.0, None)
+    assert not unknown.judge(3.5, None)["spike"] and unknown.judge(4.5, None)["spike"]  # x2 the last steps
+
+
+EARLY_SPIKES = {  # planted bug -> its overrides (tests/planted/early.py, spike.py); the onset step is the key's
+    ("logits_x20", 3): ["+callbacks.plant._target_=tests.planted.spike.SpikeLoss", "+callbacks.plant.steps=[3]"],
+    ("lr_x1000", 8): ["+callbacks.plant._target_=tests.planted.early.LRBlowUp", "+callbacks.plant.step=8"],
+    ("loss_scale_x1000", 12): ["+callbacks.plant._target_=tests.planted.early.LossScale", "+callbacks.plant.step=12"],
+}
+
+
+@pytest.mark.parametrize("bug", list(EARLY_SPIKES), ids=lambda b: f"{b[0]}@{b[1]}")
+def test_spikes_in_the_first_steps_are_named_within_5_steps(bug, tmp_path, shared_cache):
+    """Default warmup_steps=20: the window is not warm yet; the prior and the short history judge."""
+    name, onset = bug
+    run_dir = tmp_path / "run"
+    train_in_process(SMOKE + TINY_NET + ["+callbacks=loss_spike", f"trainer.max_steps={onset + 3}", "export.hf=false",
+                                         "export.fp32=false", "trainer.val_check_interval=100", *EARLY_SPIKES[bug]],
+                     run_dir, shared_cache)
+    found = read_findings(run_dir, "loss_spike")
+    spikes = [s for c, s in loud(found) if c == "loss_spike"]
+    assert spikes and onset <= spikes[0] <= onset + 5 and all(s >= onset for s in spikes), loud(found)
+    assert "early rule" in found[0]["message"]
+
+
 def test_skip_ranges_and_geometry():
     seen = [(s, 0, s) for s in range(8)] + [(s, 1, s - 8) for s in range(8, 12)]
     assert position_ranges(seen, 6, 10) == [(0, 6, 7), (1, 0, 2)]

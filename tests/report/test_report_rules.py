@@ -65,6 +65,27 @@ def test_loss_oscillating():
     assert "swings" in f["message"] and "warmup" in f["advice"] and "accumulate_grad_batches" in f["advice"]
 
 
+def test_lower_the_lr_needs_its_own_evidence_leakage_and_memorisation_are_named_instead():
+    """Issue 26: "oscillating -> lower the LR" fired on a model that could see the answer and on a run
+    that trained on the same few sequences; each now gets its own finding and no LR advice."""
+    rng = random.Random(2)
+    leak = [8.3 * math.exp(-s / 3) + 0.02 + abs(rng.gauss(0, 0.02)) for s in range(100)]  # near 0, +-100%
+    codes = [f["code"] for f in rules.evaluate(_run(loss=leak, extra={"epoch": [(s, 0.0) for s in range(100)]}))]
+    assert "loss_oscillating" not in codes and "loss_implausibly_low" in codes, codes
+    f = _fires(_run(loss=leak), "loss_implausibly_low")
+    assert "leakage" in f["message"] and "causality" in f["advice"] and "lower the LR" not in f["advice"]
+    # 4 batches per epoch, 25 epochs: each batch's loss comes round again (not near zero: only the period tells)
+    offsets = [0.5, -0.4, 0.3, -0.4]
+    memo = [3.0 + 2.0 * math.exp(-s / 30) + offsets[s % 4] + rng.gauss(0, 0.01) for s in range(100)]
+    epochs = {"epoch": [(s, float(s // 4)) for s in range(100)]}
+    codes = [f["code"] for f in rules.evaluate(_run(loss=memo, extra=epochs))]
+    assert "loss_oscillating" not in codes, codes
+    assert "loss_oscillating" in [f["code"] for f in rules.evaluate(_run(loss=memo))]  # without the epochs: LR's
+    few = [8.3 * math.exp(-s / 10) + 0.01 + 0.3 * offsets[s % 4] ** 2 for s in range(100)]
+    f = _fires(_run(loss=few, extra=epochs), "loss_implausibly_low")
+    assert "25 passes" in f["message"] and "memorised" in f["message"]
+
+
 def test_loss_diverging_and_nan():
     loss = _healthy_loss()[:50] + [3.5 * 1.1 ** i for i in range(50)]
     f = _fires(_run(loss=loss), "loss_diverging")

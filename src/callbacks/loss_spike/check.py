@@ -24,6 +24,18 @@ __all__ = ["LossSpike", "SpikeWindow"]
 POLICIES = ("warn", "skip", "rollback")
 
 
+def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:
+    """The vocabulary of a causal LM whose loss is the mean token cross-entropy (an untrained model's is
+    ~ln(vocab)): the net's output embedding size, else the datamodule's ``vocab_size``; None for other
+    modules (their loss has no prior here)."""
+    if not hasattr(pl_module, "net") or not hasattr(pl_module, "_losses"):
+        return None
+    net = pl_module.net
+    out = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+    size = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
+    return int(size or getattr(getattr(trainer, "datamodule", None), "vocab_size", 0) or 0) or None
+
+
 class LossSpike(DebugCallback):
     """`LossSpike`: loss spikes, caught before the update, with policy warn | skip | rollback.
 
@@ -33,7 +45,11 @@ class LossSpike(DebugCallback):
     A step is a spike when z >= ``z_threshold`` AND jump >= ``min_rel_jump`` -- or, with
     ``use_grad_norm``, when the global gradient norm is >= ``grad_ratio`` x its window median and
     the loss is half as far out (a joint loss + grad-norm decision). A non-finite loss is a spike.
-    Nothing is judged in the first ``warmup_steps`` healthy steps; a loss going down is never a
+    Before ``warmup_steps`` healthy steps the window is not trusted; early steps are judged against
+    priors that need no history instead: from step 0, a loss above (1 + ``prior_margin``) x an untrained
+    model's (ln(vocab), for a causal LM) is a spike (logits scaled up, a loss scale left in, an LR blow-up);
+    from ``early_min_steps`` healthy steps, a loss ``early_jump`` (x2) above the median of the last five,
+    or ``min_rel_jump`` above it when it is back above ln(vocab). A loss going down is never a
     spike, so the big early moves of training are silent. The score logged as ``spike/score``
     is the decision statistic: a spike iff score >= 1.
 
@@ -80,7 +96,8 @@ class LossSpike(DebugCallback):
 
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,
                  min_rel_jump: float = 0.25, use_grad_norm: bool = True, grad_ratio: float = 3.0,
-                 max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5) -> None:
+                 max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5,
+                 prior_margin: float = 0.5, early_min_steps: int = 3, early_jump: float = 1.0) -> None:
         super().__init__(on_error="warn")
         self.check_args(
             policy=(policy, one_of(*POLICIES)),
@@ -93,12 +110,16 @@ class LossSpike(DebugCallback):
             max_rollbacks=(max_rollbacks, integer(0)),
             max_consecutive_skips=(max_consecutive_skips, integer(1)),
             max_findings_per_code=(max_findings_per_code, integer(1)),
+            prior_margin=(prior_margin, number(0, note="0 = off")),
+            early_min_steps=(early_min_steps, integer(1)),
+            early_jump=(early_jump, number(0, open_low=True)),
         )
         self.policy, self.use_grad_norm = policy, use_grad_norm
         self.max_rollbacks, self.max_consecutive_skips = max_rollbacks, max_consecutive_skips
         self.max_findings_per_code = max_findings_per_code
         self.detector = SpikeWindow(window, warmup_steps, float(z_threshold), float(min_rel_jump),
-                                    float(grad_ratio) if use_grad_norm else None)
+                                    float(grad_ratio) if use_grad_norm else None, None, float(prior_margin),
+                                    early_min_steps, float(early_jump))
         self._loss_sum: torch.Tensor | None = None
         self._seen: deque[tuple[int, int, int]] = deque(maxlen=100_000)  # (step, epoch, batch_idx)
         self._params: list[torch.Tensor] = []
@@ -111,6 +132,8 @@ class LossSpike(DebugCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._source = grad_source(trainer.strategy)
         self._params = [p for p in pl_module.parameters() if p.requires_grad] if self.use_grad_norm else []
+        vocab = untrained_vocab(trainer, pl_module)
+        self.detector.prior = math.log(vocab) if vocab and vocab > 1 else None
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # a resume (Lightning restores before the train loader's first iteration; never our rollback's load)
