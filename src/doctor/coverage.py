@@ -60,7 +60,7 @@ def coverage(stepper: Any, batch: dict) -> tuple[ProbeResult, Any]:
     if not_moved:
         return ProbeResult(
             NAME, "fail", f"{len(not_moved)} parameter(s) with a gradient did not move after a step, first "
-            f"{not_moved[0]} (its param group's LR is {info.lr if info.lr == 0 else 'not the cause?'})",
+            f"{not_moved[0]} (the step's LR, first param group: {info.lr})",
             not_moved[0], "check the LR of its param group and the schedule's first value (warmup starting at 0)",
             details), info
     if frozen_moved:

@@ -76,11 +76,24 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
         if not failed:
             finish_run(output_dir)  # a failed doctor's report is written by the CLI with crash.json
     if failed:
+        _release_process_group()
         first = failed[0]
         stop = StoppedByCheck(Finding("doctor", "error", first.probe, summary_line(results), first.advice))
         stop.args = (summary_line(results),)  # the CLI's one line: which probes failed and their culprits
         raise stop
     return metrics
+
+
+def _release_process_group() -> None:
+    """Every rank, before the exit that a failed probe causes: end the process group here. Left to the
+    interpreter's shutdown under an exception, gloo's threads were still joinable at 2-rank DDP and
+    the process aborted ("terminate called without an active exception", exit -6 instead of 3).
+    COLLECTIVE (a barrier first, so no rank tears down while another still uses the group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _keeps(conf: Any) -> bool:
