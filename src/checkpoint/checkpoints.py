@@ -172,7 +172,10 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
         convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(fp32_path))
-        state = torch.load(fp32_path, map_location="cpu", weights_only=False)["state_dict"]
+        saved = torch.load(fp32_path, map_location="cpu", weights_only=False)
+        state = saved["state_dict"]
+        if _complete_frozen(ckpt, state):
+            torch.save(saved, fp32_path)
     else:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
         torch.save({"state_dict": state}, fp32_path)
@@ -214,6 +217,30 @@ def export_final(ckpt: Path, out_dir: Path, net_factory: Any, tokenizer: Any, hf
             copy_tokenizer_files(tokenizer_dir, hf_dir)
         exports["hf"] = str(hf_dir)
     return exports
+
+
+def _complete_frozen(ckpt_dir: Path, state: dict[str, Any]) -> list[str]:
+    """Put back the frozen parameters zero_to_fp32 leaves out under ZeRO-1: DeepSpeed records frozen
+    parameters' shapes only when it partitions gradients (stage >= 2), so a ZeRO-1 consolidation
+    drops them (a LoRA base, a freeze_verify train_only run). Stage 1/2 model states hold every
+    parameter whole (ZeRO-3's are empty and skipped): the missing ones are taken from there."""
+    tag_file = ckpt_dir / "latest"
+    tag = tag_file.read_text().strip() if tag_file.is_file() else None
+    name = "mp_rank_00_model_states.pt"
+    files = [ckpt_dir / tag / name] if tag else sorted(ckpt_dir.glob(f"*/{name}"))
+    if not files or not files[0].is_file():
+        return []
+    module = torch.load(files[0], map_location="cpu", weights_only=False).get("module") or {}
+    added = []
+    for key, value in module.items():
+        key = key[len("_forward_module."):] if key.startswith("_forward_module.") else key
+        if key not in state and torch.is_tensor(value) and value.numel() > 0:
+            state[key] = value.float() if value.is_floating_point() else value
+            added.append(key)
+    if added:
+        log.warning("export: zero_to_fp32 left out %d frozen parameters (%s ...; ZeRO-1 records no frozen-parameter "
+                    "shapes); taken whole from the checkpoint's model states", len(added), added[0])
+    return added
 
 
 def align_special_token_ids(net: Any, tokenizer: Any) -> None:

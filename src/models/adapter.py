@@ -267,6 +267,12 @@ def load_adapted(adapter: LoraAdapter, base: nn.Module, net_state: dict[str, tor
     if missing:
         raise RuntimeError(f"the checkpoint lacks the adapter tensors {missing[:3]}: it was not written by this "
                            "model.adapter config")
+    # a LoRA base must come from the checkpoint (a random-init net's base exists nowhere else); only
+    # QLoRA's 4-bit base tensors are expected not to fit the full-precision layers
+    absent = [k for k in own if k not in fits and (k not in net_state or adapter.kind == "lora")]
+    if absent:
+        raise RuntimeError(f"the consolidated checkpoint lacks {len(absent)} base tensors of the adapted net "
+                           f"({', '.join(absent[:3])}...): the export would hold a base that was never trained on")
     adapted.load_state_dict(fits, strict=False)
     if len(fits) < len(own):
         log.info("export: %d of %d base tensors kept from the model config (not in the checkpoint at full "

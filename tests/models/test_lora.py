@@ -49,6 +49,18 @@ def test_targets_that_adapt_nothing_or_the_wrong_modules_are_one_line_errors(tar
     assert says in message and "\n" not in message and str(targets) in message
 
 
+def test_deepseek_v2_and_all_linear_leave_out_what_peft_would_move_to_the_experts():
+    from dsdebug.models.deepseek import build_deepseek_v2
+
+    adapter = LoraAdapter()
+    adapted = adapter.apply(build_deepseek_v2(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=2, max_position_embeddings=32), report=False)
+    lora = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in adapted.named_parameters() if p.requires_grad}
+    assert {"o_proj", "kv_b_proj"} <= lora and not lora & {"gate_proj", "up_proj", "down_proj"}
+    assert {n.rsplit(".", 1)[-1] for n in adapter.left_out} == {"gate_proj", "up_proj", "down_proj"}
+    assert all(not p.requires_grad for n, p in adapted.named_parameters() if n in adapter.intended_frozen)
+
+
 def test_bad_values_and_qlora_on_cpu_are_one_line_errors():
     for kwargs, key in (({"r": 0}, "r"), ({"alpha": -1}, "alpha"), ({"dropout": 1.0}, "dropout"),
                         ({"kind": "dora"}, "kind"), ({"target_modules": []}, "target_modules")):
@@ -255,8 +267,8 @@ def test_lora_one_process_fit_is_silent_and_exports(tmp_path, shared_cache):
     _check_healthy_run(run_dir)
 
 
-@pytest.mark.slow  # three 2-process fits (~1.5-2 min each on 2 cores); the 1-process fit above is the fast cover
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+@pytest.mark.slow  # four 2-process fits (~1-3 min each on 2 cores); the 1-process fit above is the fast cover
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 def test_lora_two_processes(strategy, tmp_path, shared_cache):
     proc = run_train(SMOKE + LORA + ["trainer=ddp_sim", f"strategy={strategy}", *SMALL_DEEPSEEK],
                      tmp_path / "logs", shared_cache, timeout=600)
@@ -280,3 +292,33 @@ def test_resume_through_a_checkpoint_keeps_the_frozen_base(perturb, tmp_path, sh
         assert [(e["code"], e["details"]["params"]) for e in errors] == [("base_changed_on_resume", [BASE_WEIGHT])]
     else:
         assert errors == []
+
+
+@pytest.mark.slow  # a pretrained dir with its tokenizer and a 1-process fit (~30 s); DeepSeek's fit above is the fast cover
+def test_hf_pretrained_llama_trains_its_adapter_and_keeps_the_pretrained_base(tmp_path, shared_cache):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dsdebug.data.corpus import KJVCorpus
+    from tests.helpers.tokenizer_families import save_model_dir
+
+    model_dir = save_model_dir("llama", tmp_path / "llama", list(KJVCorpus().documents())[:4])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = train_in_process(SMOKE + LORA + ["model=hf_pretrained", f"model.net.name_or_path={model_dir}",
+                                               "model.adapter.target_modules=[q_proj,v_proj]", "strategy=ddp",
+                                               "trainer.max_steps=3"], run_dir, shared_cache)
+    assert metrics["status"] == "completed" and set(metrics["exports"]) == {"fp32", "adapter", "hf"}
+    found = read_findings(run_dir)
+    assert of(found, "adapter") == [] and of(found, "freeze_verify") == [], [f["message"] for f in found]
+    assert "on 2 modules (q_proj, v_proj)" in one(found, "adapter_applied")["message"]
+    # independent witness: every base tensor of the consolidated checkpoint is the pretrained one, bit for bit
+    pretrained = load_file(str(model_dir / "model.safetensors"))
+    state = torch.load(run_dir / "export" / "model_fp32.pt", weights_only=False)["state_dict"]
+    base = {k.replace("net.base_model.model.", "").replace(".base_layer", ""): v for k, v in state.items()
+            if "lora_" not in k}
+    assert set(pretrained) <= set(base)
+    assert all(torch.equal(base[k].float(), v.float()) for k, v in pretrained.items())
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "export" / "hf")
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight.float(),
+                           pretrained["model.layers.0.self_attn.q_proj.weight"].float())  # LoRA folded in
