@@ -11,11 +11,12 @@ record: grouping is a view, never a filter on what is written.
 Grouping (warnings and errors only; info findings are not incidents):
 
 - a **cause** per finding (``cause_of``): ``nonfinite`` (NaN/Inf in loss or gradients, whichever
-  check saw it), ``hang`` (a hang, a collective timeout or a dead rank, from any rank), else the
-  finding's own ``check/code`` (repeats of one finding collapse into one incident);
+  check saw it), ``hang`` (a hang, a collective timeout or a dead rank, from any rank),
+  ``ranks_differ`` (ranks composed different configs or seeds), else the finding's own
+  ``check/code`` (repeats of one finding collapse into one incident);
 - the **root** of an incident: the finding that is not derived from others (the report's advisor
   rules read the same curves: never the root while a check's own finding exists), then the
-  earliest step, then the check that localises the cause (nan_triage's rerun names the first
+  earliest step (setup first), then the check that localises the cause (nan_triage's rerun names the first
   module in forward order; grad_monitor only sees that every gradient went bad), then the module
   first in forward order (``details.forward_index``), then the origin rank;
 - the **evidence**: every other finding of the incident, collapsed by ``check/code`` with a count,
@@ -41,13 +42,18 @@ _CAUSES: dict[tuple[str, str], str] = {
     ("mixed_precision", "loss_scale_min"): "nonfinite", ("advisor", "mixed_precision_unstable"): "nonfinite",
     ("comm_debug", "hang"): "hang", ("liveness", "rank_died"): "hang", ("advisor", "nccl_timeout"): "hang",
     ("hang_watchdog", "hang"): "hang", ("hang_watchdog", "hang_detected"): "hang",
+    # ranks that run different configs/seeds: consistency sees it at setup, replica_parity at its first check
+    ("consistency", "config_mismatch"): "ranks_differ", ("consistency", "seed_mismatch"): "ranks_differ",
+    ("replica_parity", "config_hash_mismatch"): "ranks_differ",
 }
 # who localises a cause best (lower = better root), per cause
 _ROOT_ORDER: dict[str, tuple[str, ...]] = {
     "nonfinite": ("nan_triage", "grad_monitor", "mixed_precision", "loss_spike"),
     "hang": ("liveness", "comm_debug", "hang_watchdog"),
+    "ranks_differ": ("consistency", "replica_parity"),
 }
-_TITLES = {"nonfinite": "non-finite values", "hang": "hang"}
+_TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ranks run different configs"}
+_ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout"}  # by the root's code
 DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
 
 
@@ -121,7 +127,8 @@ class Incident:
 
     def title(self) -> str:
         """A few words: what, from which step, where, on which rank."""
-        what = _TITLES.get(self.cause) or f"{self.root.get('check')}/{self.root.get('code')}"
+        what = (_ROOT_TITLES.get(str(self.root.get("code"))) or _TITLES.get(self.cause)
+                or f"{self.root.get('check')}/{self.root.get('code')}")
         text = what + (f" from step {self.step}" if self.step is not None and self.count > 1 else
                        f" at step {self.step}" if self.step is not None else " at setup")
         if self.where:
@@ -147,8 +154,10 @@ def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     details = record.get("details") if isinstance(record.get("details"), dict) else {}
     step, rank = record.get("step"), record.get("rank")
     forward = details.get("forward_index")
+    # no step: at setup, before every step -- except a hang's (ranks stuck at different steps)
+    unknown = math.inf if cause == "hang" else -1
     return (check in DERIVED_CHECKS,
-            step if isinstance(step, int) else math.inf,
+            step if isinstance(step, int) else unknown,
             order.index(check) if check in order else len(order),
             not details.get("module"),
             forward if isinstance(forward, int) else math.inf,

@@ -62,6 +62,12 @@ def test_root_is_the_first_module_in_forward_order_then_the_origin_rank():
     incidents = group(hang)
     assert len(incidents) == 1 and incidents[0].cause == "hang"
     assert incidents[0].source() == "liveness/rank_died" and incidents[0].rank == 1
+    assert incidents[0].title() == "a rank died from step 40 on rank 1"
+    # ranks that composed different configs: seen at setup by consistency, at step 0 by replica_parity
+    differ = group([rec("replica_parity", "config_hash_mismatch", "warning", step=0, rank=1),
+                    rec("consistency", "config_mismatch", "warning", step=None, rank=1)])
+    assert len(differ) == 1 and differ[0].source() == "consistency/config_mismatch"  # at setup: first
+    assert differ[0].title() == "ranks run different configs at setup on rank 1"
 
 
 def test_without_nan_triage_the_root_names_no_module_it_cannot_know():
