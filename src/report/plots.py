@@ -232,6 +232,8 @@ def _plots_moe():
 def moe_missing(run: RunData) -> str:
     """Why a run has no MoE figure, from what metrics.json says about its model (``moe``)."""
     moe = run.metrics.get("moe")
+    if _no_routers(run):
+        return "the model has no MoE router (MoERouter's no_routers finding)"
     if run.plain and not isinstance(moe, dict):
         return ("moe/* is logged by dsdebug's own LM module; for a plain project's MoE model add MoERouter() to the "
                 "Trainer's callbacks (its figure is below)")
@@ -248,6 +250,17 @@ def moe_missing(run: RunData) -> str:
         return f"the model has {len(layers)} MoE layer(s) but its metrics were off (model.moe_metrics=false)"
     return (f"the model has {len(layers)} MoE layer(s) and logged them, but no training step reached "
             "the loggers (the run ended before its first logged step)")
+
+
+def _no_routers(run: RunData) -> bool:
+    return any(f.get("check") == "moe_router" and f.get("code") == "no_routers" for f in run.findings)
+
+
+def _router_missing(run: RunData) -> str:
+    if _no_routers(run):
+        return "the model has no MoE router (MoERouter's no_routers finding)"
+    return (("add MoERouter() to the Trainer's callbacks" if run.plain else "enable +callbacks=moe_router")
+            + " (MoE models; the share is written when training ends)")
 
 
 def how_to_enable(run: RunData, preset: str, check: str, cls: str, what: str = "metrics") -> str:
@@ -289,8 +302,7 @@ FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[
     "rank_memory": ("Memory per rank", rank_memory, _enable("logs", "log_sync", "LogSync", "memory")),
     "moe_load": ("MoE expert load", moe_load, moe_missing),
     "moe_router": ("MoE router: token share per expert", lambda run: _plots_moe().router_share(run),
-                   lambda run: ("add MoERouter() to the Trainer's callbacks" if run.plain else "enable "
-                                "+callbacks=moe_router") + " (MoE models; the share is written when training ends)"),
+                   _router_missing),
     "comm_compute": ("Communication vs compute", comm_compute, _comm_missing),
 }
 

@@ -132,3 +132,13 @@ def test_check_names_map_to_their_classes():
     checks = {getattr(callbacks, cls).name: cls for cls in callbacks._MODULES
               if cls not in ("DebugCallback", "DeepSpeedWallClock")}
     assert CHECK_CLASSES == checks
+
+
+def test_a_dense_model_is_not_told_to_add_moe_router(tmp_path, capsys):
+    """MoERouter ran and found no router: the MoE figures say so instead of 'add MoERouter()'."""
+    run = tmp_path / "run"
+    dense = {"check": "moe_router", "severity": "info", "code": "no_routers", "step": 0, "rank": None,
+             "message": "BoringModel has no MoE routers", "advice": "", "details": {}, "time": 1.0}
+    _write(run / "lightning_logs" / "version_0", [dense], PLAIN)
+    report, _ = _report(run, capsys)
+    assert report.count("the model has no MoE router") == 2 and "add MoERouter()" not in report
