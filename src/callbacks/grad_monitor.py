@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                             local_param)
@@ -58,7 +58,7 @@ class GradMonitor(DebugCallback):
     |---|---|---|
     | ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
     | ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
-    | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps`` |
+    | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps``; before: norm > ``early_factor`` x the median of the healthy norms so far (>= 3 steps) |
     | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
     | ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
 
@@ -67,12 +67,14 @@ class GradMonitor(DebugCallback):
     counts and the summary's steps checked and largest norm.
     """
     name = "grad_monitor"
-    state_attrs = ("_ema_mean", "_ema_var", "_healthy_seen", "_vanished", "_counts", "_checked", "_largest")
+    state_attrs = ("_ema_mean", "_ema_var", "_healthy_seen", "_vanished", "_counts", "_checked", "_largest",
+                   "_early_norms")
 
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,
                  spike_min_ratio: float = 3.0, ema_beta: float = 0.95, warmup_steps: int = 50,
                  vanish_threshold: float = 1.0e-8, histogram_every_n_steps: int = 100,
-                 log_param_norms: bool = False, max_findings_per_code: int = 5, on_error: str = "warn") -> None:
+                 log_param_norms: bool = False, max_findings_per_code: int = 5, on_error: str = "warn",
+                 early_factor: float = 10.0) -> None:
         super().__init__(on_error=on_error)
         self.check_args(
             every_n_steps=(every_n_steps, integer(0, note="0 = no metrics")),
@@ -84,7 +86,10 @@ class GradMonitor(DebugCallback):
             vanish_threshold=(vanish_threshold, number(0, note="0 = off")),
             histogram_every_n_steps=(histogram_every_n_steps, integer(0, note="0 = off")),
             max_findings_per_code=(max_findings_per_code, integer(1)),
+            early_factor=(early_factor, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
         )
+        self.early_factor = float(early_factor)
+        self._early_norms: list[float] = []  # the healthy norms before warm-up (the early rule's reference)
         self.every_n_steps, self.max_norm = every_n_steps, float(max_norm)
         self.spike_factor, self.spike_min_ratio = float(spike_factor), float(spike_min_ratio)
         self.ema_beta = float(ema_beta)
@@ -155,6 +160,11 @@ class GradMonitor(DebugCallback):
         elif self._healthy_seen >= self.warmup_steps and norm > self._spike_limit():
             self._report_large(trainer, pl_module, "grad_spike", "warning", norm, sq, layer_sq,
                                f"is a spike: EMA {self._ema_mean:.3g} +- {math.sqrt(self._ema_var):.3g}")
+        elif self._early_spike(norm):
+            self._report_large(trainer, pl_module, "grad_spike", "warning", norm, sq, layer_sq,
+                               f"is a spike in the first steps: {norm / self._early_ref():.3g}x the median "
+                               f"{self._early_ref():.3g} of the {len(self._early_norms)} steps so far (> early_factor="
+                               f"{self.early_factor:g}; the EMA judges from step {self.warmup_steps})")
         else:
             self._update_ema(norm)
         if self.due(step):
@@ -173,7 +183,18 @@ class GradMonitor(DebugCallback):
     def _spike_limit(self) -> float:
         return max(self.spike_min_ratio * self._ema_mean, self._ema_mean + self.spike_factor * math.sqrt(self._ema_var))
 
+    def _early_ref(self) -> float:
+        ordered = sorted(self._early_norms)
+        return ordered[len(ordered) // 2]
+
+    def _early_spike(self, norm: float) -> bool:
+        """Before warm-up: healthy early norms move a few-fold at most; 10x the median so far is a spike."""
+        return (self.early_factor > 0 and self._healthy_seen < self.warmup_steps and len(self._early_norms) >= 3
+                and self._early_ref() > 0 and norm > self.early_factor * self._early_ref())
+
     def _update_ema(self, norm: float) -> None:
+        if self._healthy_seen < self.warmup_steps:
+            self._early_norms.append(norm)
         if self._healthy_seen == 0:
             self._ema_mean, self._ema_var = norm, 0.0
         else:

@@ -30,7 +30,15 @@ class MoERouter(DebugCallback):
     every ``window_steps`` optimizer steps (and at ``max_steps``): the window's
     ``[layers x experts]`` counts, entropy sums and aux/CE sums are ONE all-reduce on every rank, so
     every decision is global and the same on all ranks; rank 0 writes the findings (rank=None).
-    Windows starting before ``warmup_steps`` are logged, not judged (random-init routers are jumpy).
+    Windows starting before ``warmup_steps`` are logged, not judged (random-init routers are jumpy);
+    instead the first ``early_steps`` steps are judged ONE BY ONE against the prior of a fresh router,
+    near-uniform load: a layer whose load is concentrated (an expert chosen by >= ``collapse_tokens``
+    of the step's tokens, or load entropy < ``collapse_entropy``) for ``early_patience`` steps in a row
+    has collapsed from initialisation (a biased gate, tied scores). Only the step before the first
+    update holds that prior: a healthy tiny DeepSeek-V3 spread its load at step 0 (busiest expert 43%
+    of the tokens, load entropy 0.93) but concentrated it as soon as the LR was up (91% at step 2 with
+    a 20-step warm-up, at step 1 with a 1-step warm-up), before the balance loss spreads it again.
+    That costs one small all-reduce per step during those steps only.
     Works under ddp, ZeRO-1/2/3 (the hooks see the router's outputs; no parameter is read).
 
     Router entropy is per token, from the router's logits (softmax; DeepSeek-V3: its sigmoid scores
@@ -55,6 +63,7 @@ class MoERouter(DebugCallback):
     |---|---|---|
     | ``router_collapse`` | error | an expert is chosen by >= ``collapse_tokens`` of a layer's tokens |
     | ``router_collapse`` | warning | a layer's ``load_entropy`` < ``collapse_entropy`` |
+    | ``router_collapse`` | error/warning | the same, per step over the first ``early_steps`` steps, ``early_patience`` in a row |
     | ``dead_experts`` | warning | experts with share <= ``dead_below`` x 1/E (0: no token at all), named per layer |
     | ``load_imbalance`` | warning | max/mean load > ``imbalance_max`` for ``imbalance_windows`` windows in a row |
     | ``aux_loss_rising`` | warning | window aux loss rose ``aux_windows`` times in a row, to > (1+``aux_rise``) x its minimum |
@@ -73,7 +82,8 @@ class MoERouter(DebugCallback):
     def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,
                  collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 3.5,
                  imbalance_windows: int = 2, aux_rise: float = 0.5, aux_windows: int = 3,
-                 max_findings_per_code: int = 5, on_error: str = "warn") -> None:
+                 max_findings_per_code: int = 5, on_error: str = "warn", early_steps: int = 1,
+                 early_patience: int = 1) -> None:
         super().__init__(on_error=on_error)
         self.check_args(
             window_steps=(window_steps, integer(1)),
@@ -86,7 +96,10 @@ class MoERouter(DebugCallback):
             aux_rise=(aux_rise, number(0)),
             aux_windows=(aux_windows, integer(0, note="0 = off")),
             max_findings_per_code=(max_findings_per_code, integer(1)),
+            early_steps=(early_steps, integer(0, note="0 = off")),
+            early_patience=(early_patience, integer(1)),
         )
+        self.early_steps, self.early_patience = early_steps, early_patience
         self.window_steps, self.warmup_steps = window_steps, warmup_steps
         self.collapse_tokens, self.collapse_entropy = float(collapse_tokens), float(collapse_entropy)
         self.dead_below, self.imbalance_max = float(dead_below), float(imbalance_max)
@@ -113,6 +126,9 @@ class MoERouter(DebugCallback):
         self.aux_balanced = float(self.top_k) if moe.source == "model" else 1.0  # HF's scale: top_k; ours: 1
         n = len(self.layers)
         self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64)
+        self._step_counts = torch.zeros(n, self.experts, dtype=torch.float64)  # this step's (early rule)
+        self._early_streak, self._early_named = [0] * n, set()
+        self._early_closest = {"max_expert_frac": 0.0, "min_load_entropy": 1.0, "per_step": []}
         self._total = torch.zeros(n, self.experts, dtype=torch.float64)
         self._start = self._first = trainer.global_step  # again in on_train_start (after a resume)
         self._counts = {}
@@ -150,6 +166,7 @@ class MoERouter(DebugCallback):
         counts, ent, tokens = record_stats(records, self.experts)
         n, w = len(self.layers), self._window
         w[: n * self.experts] += counts.reshape(-1)
+        self._step_counts += counts.reshape(n, self.experts)
         w[n * self.experts: n * self.experts + n] += ent
         w[n * self.experts + n: n * self.experts + 2 * n] += tokens
         if aux is not None:
@@ -164,6 +181,9 @@ class MoERouter(DebugCallback):
             self._window[-2] += float(ce)
             self._window[-1] += 1
         step = trainer.global_step  # same on every rank: the window closes at the same point everywhere
+        counts, self._step_counts = self._step_counts, torch.zeros_like(self._step_counts)
+        if step - 1 < self.early_steps:  # every rank: the same steps
+            self._judge_early(trainer, pl_module, counts, step - 1)
         done = step - self._start
         if done >= self.window_steps or (done > 0 and 0 < (trainer.max_steps or -1) <= step):
             self._close(trainer, pl_module, self._start, step, full=done >= self.window_steps)
@@ -237,6 +257,41 @@ class MoERouter(DebugCallback):
                            "becomes a hot spot (memory, time, dropped tokens with capacity limits)", info)
         self._judge_aux(trainer, pl_module, aux, ce, where)
 
+    def _judge_early(self, trainer: Any, pl_module: Any, counts: torch.Tensor, step: int) -> None:
+        """One step's load against a fresh router's prior (near uniform): EVERY rank, same branches."""
+        if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per step, first early_steps steps only
+            counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        if counts.sum() <= 0:
+            return
+        st = window_stats(counts, torch.zeros(len(self.layers)), counts.sum(-1) / self.top_k, self.top_k)
+        close = self._early_closest
+        close["per_step"].append([step, round(float(st["token_frac"].max()), 4),
+                                  round(float(st["load_entropy"].min()), 4)])
+        for i, layer in enumerate(self.layers):
+            frac, spread = st["token_frac"][i], float(st["load_entropy"][i])
+            close["max_expert_frac"] = max(close["max_expert_frac"], float(frac.max()))
+            close["min_load_entropy"] = min(close["min_load_entropy"], spread)
+            hot = [x for x in range(self.experts) if float(frac[x]) >= self.collapse_tokens]
+            bad = bool(hot) or spread < self.collapse_entropy
+            self._early_streak[i] = self._early_streak[i] + 1 if bad else 0
+            if self._early_streak[i] != self.early_patience or layer in self._early_named:
+                continue
+            self._early_named.add(layer)
+            order = sorted(range(self.experts), key=lambda x: -float(frac[x]))
+            top = ", ".join(f"E{x} {float(frac[x]):.0%}" for x in order[:4])
+            why = (f"expert(s) {', '.join(f'E{x}' for x in hot)} chosen by >= {self.collapse_tokens:.0%} of tokens"
+                   if hot else f"load entropy {spread:.2f} < collapse_entropy={self.collapse_entropy:g}")
+            self._emit(trainer, pl_module, "error" if hot else "warning", "router_collapse",
+                       f"router collapse in layer {layer} from the first steps ({self.early_patience} steps in a row up "
+                       f"to step {step}, {int(st['tokens'][i])} tokens this step, all ranks): {why}; tokens choosing "
+                       f"each expert: {top} (a fresh router spreads them: uniform {self.top_k / self.experts:.0%})",
+                       "collapsed at initialisation: check the gate's init (a bias or one huge row, rows copied "
+                       "over each other so scores tie), V3's e_score_correction_bias, and that the router's input "
+                       "is not constant",
+                       {"layer": layer, "early": True, "load_entropy": spread,
+                        "tokens_frac": {f"E{x}": round(float(frac[x]), 4) for x in order},
+                        "experts": [f"E{x}" for x in (hot or order[:self.top_k])]})
+
     def _judge_aux(self, trainer: Any, pl_module: Any, aux: float | None, ce: float | None, where: str) -> None:
         if aux is None or not self.aux_windows:
             return
@@ -288,7 +343,7 @@ class MoERouter(DebugCallback):
                     details={"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
                              "steps": [self._first, trainer.global_step - 1],
                              "share": {f"L{layer}": share[i].tolist() for i, layer in enumerate(self.layers)},
-                             "last_window": self._last,
+                             "last_window": self._last, "early": self._early_closest,
                              "counts": dict(self._counts)}, rank=None)
 
 

@@ -130,3 +130,18 @@ def _layer0_norm_at_step0(run_dir) -> float:
     with open(run_dir / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("grad/norm/model.layers.0") and r["step"] == "0"]
     return float(rows[0]["grad/norm/model.layers.0"])
+
+
+def test_early_spike_rule_judges_before_the_ema_is_warm():
+    """Issue 26 §4: before warmup_steps the EMA is not trusted; 10x the median of the healthy norms so
+    far is a spike from the 4th step on, while a few-fold early drift is not."""
+    from dsdebug.callbacks.grad_monitor import GradMonitor
+
+    gm = GradMonitor(warmup_steps=50)
+    for norm in (2.0, 1.2, 3.5):  # healthy early drift (measured: a few-fold in the first steps)
+        assert not gm._early_spike(norm)
+        gm._update_ema(norm)
+    assert not gm._early_spike(15.0) and gm._early_spike(40.0)  # median 2.0: x7.5 no, x20 yes
+    assert not GradMonitor(warmup_steps=50, early_factor=0)._early_spike(40.0)
+    gm._healthy_seen = 50  # warm: the EMA rule takes over
+    assert not gm._early_spike(40.0)

@@ -229,3 +229,19 @@ def test_two_processes_zero3_collapse_decided_on_all_ranks_tokens(tmp_path, shar
     found = read(only_run_dir(tmp_path))
     _collapse_named(found, step=5, tokens=2 * 2 * 8 * 128)  # both ranks' tokens: the decision is global
     assert len([r for r in found if r["code"] == "router_summary"]) == 1  # rank 0 writes
+
+
+@pytest.mark.parametrize("mode", ["bias", "tie", "zeros"])
+def test_router_collapsed_at_initialisation_is_named_at_step_0(mode, tmp_path, shared_cache):
+    """Issue 26 §4: the 100-step warm-up used to hide it; a fresh router's near-uniform load is the prior."""
+    run_dir = tmp_path / "run"
+    m = train_in_process(RUN + SMALL_DEEPSEEK + ["trainer.max_steps=3", "callbacks.moe_router.warmup_steps=100",
+                                                "+callbacks.plant._target_=tests.planted.early.RouterInit",
+                                                f"+callbacks.plant.mode={mode}", "+callbacks.plant.layer=1"],
+                         run_dir, shared_cache)
+    assert m["status"] == "completed"
+    collapse = [r for r in read(run_dir) if r["code"] == "router_collapse"]
+    assert collapse and collapse[0]["step"] == 0 and collapse[0]["details"]["layer"] == 1, collapse
+    assert collapse[0]["details"]["early"] and "from the first steps" in collapse[0]["message"]
+    if mode == "bias":  # the planted expert is the culprit
+        assert collapse[0]["details"]["experts"] == ["E3"]
