@@ -55,12 +55,15 @@ def test_the_default_model_at_2_ranks_is_healthy(tmp_path, shared_cache):
     assert metrics["status"] == "doctor_passed" and metrics["world_size"] == 2
 
 
-@pytest.mark.slow  # 2 processes under ZeRO-3 (~60-100 s); ZeRO-3's gathers are the only cover of that path
-def test_a_tiny_gpt2_under_zero3_at_2_ranks_is_healthy(tmp_path, shared_cache):
-    proc = run_train([*SMOKE, "trainer=ddp_sim", "strategy=zero3", "doctor=true",
-                      "model.net._target_=tests.planted.doctor_nets.build_tiny_gpt2"], tmp_path / "logs", shared_cache)
+@pytest.mark.slow  # 2 processes each (~60-100 s); ZeRO-3's gathers (GPT-2) are the only cover of that path
+@pytest.mark.parametrize("builder, strategy", [("build_tiny_gpt2", "zero3"), ("build_tiny_llama", "zero2"),
+                                               ("build_tiny_mixtral", "zero2")])
+def test_hf_families_at_2_ranks_are_healthy(tmp_path, shared_cache, builder, strategy):
+    proc = run_train([*SMOKE, "trainer=ddp_sim", f"strategy={strategy}", "doctor=true",
+                      f"model.net._target_=tests.planted.doctor_nets.{builder}"], tmp_path / "logs", shared_cache)
     assert_ok(proc)
     found = _doctor_findings(only_run_dir(tmp_path / "logs"))
+    assert set(found) == PROBES
     assert all(f["details"]["status"] == "pass" for f in found.values()), {k: f["message"] for k, f in found.items()}
 
 

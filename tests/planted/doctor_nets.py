@@ -193,16 +193,18 @@ class InPlaceFrozenLM(TinyCausalLM):
         return super().forward(input_ids)
 
 
+def _drop_embed(module: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+    state_dict.pop(prefix + "embed.weight", None)
+
+
 class DropsFrozenFromStateDict(TinyCausalLM):
-    """A frozen embedding left out of state_dict (as some adapter savers do) and a non-strict load."""
+    """A frozen embedding left out of state_dict (as some adapter savers do; a state-dict hook, so a
+    parent module's state_dict drops it too) and a non-strict load."""
 
     def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
         super().__init__(vocab_size, hidden)
         self.embed.weight.requires_grad_(False)
-
-    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003
-        sd = super().state_dict(*args, **kwargs)
-        return type(sd)((k, v) for k, v in sd.items() if not k.endswith("embed.weight"))
+        self._register_state_dict_hook(_drop_embed)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ANN001
         return super().load_state_dict(state_dict, strict=False, assign=assign)
