@@ -372,7 +372,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     s.jobs = args.jobs or s.jobs
     only = set(args.only)
     results: dict[str, Any] = {"steps": {}, "settings": {"dry_run": s.dry_run, "cuda": cuda, "jobs": s.jobs,
-                                                        "budget_s": args.budget_s}}
+                                                        "budget_s": args.budget_s}, "kit": kit}
     steps = results["steps"]
     for name in STEPS:
         if name not in only:
@@ -497,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = check(args)
-    results.update(date=started, commit=git_commit(), command=" ".join([Path(sys.executable).name, *sys.argv]))
+    kit_commit = results["kit"].get("kit_commit")
+    commit = git_commit() or (f"{kit_commit} (when the kit was made; .git did not travel)" if kit_commit else None)
+    results.update(date=started, commit=commit, command=" ".join([Path(sys.executable).name, *sys.argv]))
     from gpu_check_report import markdown
 
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -34,7 +34,7 @@ def ensure_kit(kit: Path, site: Path, link_dir: Path) -> dict[str, Any]:
     paths: list[str] = []
     if manifest is not None:
         out["wheels"] = len(manifest["wheels"])
-        out["kit_made"] = manifest.get("made")
+        out["kit_made"], out["kit_commit"] = manifest.get("made"), manifest.get("commit")
 
         def stale() -> list[str]:
             bad = []

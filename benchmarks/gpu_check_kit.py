@@ -260,6 +260,18 @@ def check_size(repo: Path, kit: Path, limit_mib: float = LIMIT_MIB) -> dict:
     return size
 
 
+def git_state(repo: Path = REPO) -> str | None:
+    """HEAD's short hash, '+changes' when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}{'+changes' if dirty else ''}" if head else None
+
+
 # ---- the command ------------------------------------------------------------------------------
 
 def build(out: Path, limit_mib: float) -> dict:
@@ -275,6 +287,7 @@ def build(out: Path, limit_mib: float) -> dict:
             "wheels": [{"file": w.name, **carried[wheel_name_version(w.name)[0]], "bytes": w.stat().st_size}
                        for w in wheels],
             "left_out": NOT_NEEDED,  # gpu_check.py does not count these as unmet requirements
+            "commit": git_state(),  # .git does not travel: gpu_check.py reports this one there
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():  # replaced only once the new set is complete (a failed fetch keeps the old kit)
