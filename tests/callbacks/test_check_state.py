@@ -32,6 +32,7 @@ CHECKS = sorted(name for name in callbacks._MODULES if name != "DebugCallback")
 # A non-default value for every attribute a check keeps across a resume (a new entry in a check's
 # state_attrs needs one here: test_every_state_attr_has_a_sample).
 SAMPLES: dict[str, dict[str, Any]] = {
+    "FreezeVerify": {"_base_sums": [[1.5, 2.25], [-0.5, 0.25]]},
     "GradMonitor": {"_ema_mean": 1.25, "_ema_var": 0.5, "_healthy_seen": 17, "_vanished": {"model.layers.1"},
                     "_counts": {"grad_spike": 2}, "_checked": 20, "_largest": (3.5, 12)},
     "LayerHealth": {"_low_grad": [0, 2], "_low_update": [1, 0], "_seen": [5, 4], "_log_ema": [-1.5, 0.25],
