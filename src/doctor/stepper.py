@@ -199,7 +199,9 @@ class StrategyStepper:
                     module.__dict__[k] = v
 
     def step(self, batch: dict, grads: bool = False, measure: bool = False) -> StepInfo:
-        """One optimizer step on ``batch``. COLLECTIVE (every rank, same order)."""
+        """One optimizer step on ``batch``. COLLECTIVE (every rank, same order). Under DeepSpeed with
+        gradient accumulation the engine updates at its accumulation boundary only: the step is that
+        many micro-steps on ``batch`` (as the fit loop calls ``engine.step()`` after every micro-batch)."""
         strategy = self.trainer.strategy
         optimizer = self.trainer.optimizers[0]
         self.module.train()
@@ -207,20 +209,24 @@ class StrategyStepper:
             _peak(optimizer)
         lr = self.lr()
         batch = strategy.batch_to_device(batch)
+        micro = int(strategy.deepspeed_engine.gradient_accumulation_steps()) if self.deepspeed else 1
         with self._quiet_logging():
-            if measure:
-                with saved_tensor_bytes(self.activation_bytes):
+            for m in range(micro):
+                if measure and m == 0:
+                    with saved_tensor_bytes(self.activation_bytes):
+                        out = strategy.training_step(batch, 0)
+                else:
                     out = strategy.training_step(batch, 0)
-            else:
-                out = strategy.training_step(batch, 0)
-            loss = out["loss"] if isinstance(out, dict) else out
-            strategy.backward(loss, optimizer)
-            info = StepInfo(float(loss.detach()), lr=lr)
-            if grads or not self.deepspeed:
-                info.grads = self._grads() if grads else {}  # COLLECTIVE under DeepSpeed
-                if not self.deepspeed:
-                    info.grad_norm = _norm([p.grad for _, p in self.module.named_parameters() if p.grad is not None])
-            strategy.optimizer_step(optimizer, closure=lambda: loss)
+                loss = out["loss"] if isinstance(out, dict) else out
+                strategy.backward(loss, optimizer)
+                if m == micro - 1:  # the gradients are complete (DeepSpeed: at its boundary)
+                    info = StepInfo(float(loss.detach()), lr=lr)
+                    if grads or not self.deepspeed:
+                        info.grads = self._grads() if grads else {}  # COLLECTIVE under DeepSpeed
+                        if not self.deepspeed:
+                            info.grad_norm = _norm([p.grad for _, p in self.module.named_parameters()
+                                                    if p.grad is not None])
+                strategy.optimizer_step(optimizer, closure=lambda loss=loss: loss)
         if self.deepspeed:
             norm = strategy.deepspeed_engine.get_global_grad_norm()
             info.grad_norm = float(norm) if norm is not None else None
