@@ -258,9 +258,13 @@ class FreezeVerify(DebugCallback):
     def _sums(self, trainer: Any) -> list[list[float]]:
         rows = []
         for by_design, p in zip(self._by_design, self._params):
-            if by_design:
-                data = (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).detach().double()
-                rows.append([float(data.sum()), float(data.pow(2).sum())])
+            if by_design:  # in float64 chunks: bounded memory on a 7B model's embedding
+                flat = (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).detach().reshape(-1)
+                total = squares = 0.0
+                for start in range(0, flat.numel(), 1 << 24):
+                    part = flat[start:start + (1 << 24)].double()
+                    total, squares = total + float(part.sum()), squares + float(part.pow(2).sum())
+                rows.append([total, squares])
         sums = torch.tensor(rows, dtype=torch.float64)
         if trainer.world_size > 1 and self._source == "zero3":  # partitions: add the ranks' parts
             sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum").cpu()
