@@ -36,6 +36,17 @@ from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_
 log = logging.getLogger(__name__)
 
 
+def skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend builds (JIT, first use ~25-55 s on 2 cores) and loads its shared-memory
+    comm op when its process group starts, every run, 1 rank included. The op serves only
+    ``inference_all_reduce`` (AutoTP inference); training's collectives go through torch.distributed
+    (gloo). Marked incompatible, it is neither built nor loaded: the first ``make train`` starts
+    training that much sooner (docs/benchmarks.md, first run)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _check_ddp_keys(kwargs: dict[str, Any]) -> None:
     """Lightning hands keys it does not know to DistributedDataParallel, which raises a TypeError
     only once the ranks run: a key neither takes is a one-line error now."""
@@ -143,6 +154,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             return super().setup_distributed()
         reset_seed()
         self.set_world_ranks()
+        skip_shm_comm_op()
         self._init_deepspeed_distributed()
         cache_cpu_device_count()
 
