@@ -26,6 +26,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | Throughput | throughput | light, full |
 | MixedPrecisionCheck | mixed_precision | light, full |
 | NaNTriage | nan_triage | full |
+| OutcomeMonitor | outcome_monitor | light, full |
 | GradScaleCheck | grad_scale | always on |
 | ConsistencyCheck | consistency | always on |
 | DeepSpeedWallClock | ds_wall_clock | added under DeepSpeed |
@@ -48,6 +49,7 @@ _MODULES = {
     "ReplicaParity": "replica_parity",
     "LossSpike": "loss_spike",
     "LayerHealth": "layer_health",
+    "OutcomeMonitor": "outcome_monitor",
     "MoERouter": "moe_router",
     "MemoryMonitor": "memory",
     "Throughput": "throughput",

@@ -1,7 +1,8 @@
 """Parameter names and local gradients, shared by the gradient checks (grad_monitor, loss_spike,
 layer_health, nan_triage, mixed_precision, replica_parity, freeze_verify): display names, layer
 grouping, where a strategy keeps a rank's gradient (DDP .grad, DeepSpeed ZeRO partitions), and
-the accumulation boundary. Re-exported from grad_monitor, where they used to live."""
+the accumulation boundary; and the vocabulary of a causal LM (an untrained model's loss is ~ln(vocab):
+the prior of loss_spike and outcome_monitor). Re-exported from grad_monitor, where they used to live."""
 
 from __future__ import annotations
 
@@ -63,3 +64,15 @@ def _at_accumulation_boundary(trainer: Any) -> bool:
     if not isinstance(trainer.strategy, DeepSpeedStrategy):
         return True  # Lightning calls the hook only at the boundary
     return trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary()
+
+
+def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:
+    """The vocabulary of a causal LM whose loss is the mean token cross-entropy (an untrained model's is
+    ~ln(vocab)): the net's output embedding size, else the datamodule's ``vocab_size``; None for other
+    modules (their loss has no prior here)."""
+    if not hasattr(pl_module, "net") or not hasattr(pl_module, "_losses"):
+        return None
+    net = pl_module.net
+    out = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+    size = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
+    return int(size or getattr(getattr(trainer, "datamodule", None), "vocab_size", 0) or 0) or None

@@ -15,7 +15,7 @@ import torch
 from dsdebug.checkpoint import rollback as rb
 from dsdebug.config.args import boolean, integer, number, one_of
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad
+from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad, untrained_vocab
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.findings import Finding, get_channel
 
@@ -23,17 +23,6 @@ __all__ = ["LossSpike", "SpikeWindow"]
 
 POLICIES = ("warn", "skip", "rollback")
 
-
-def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:
-    """The vocabulary of a causal LM whose loss is the mean token cross-entropy (an untrained model's is
-    ~ln(vocab)): the net's output embedding size, else the datamodule's ``vocab_size``; None for other
-    modules (their loss has no prior here)."""
-    if not hasattr(pl_module, "net") or not hasattr(pl_module, "_losses"):
-        return None
-    net = pl_module.net
-    out = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
-    size = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
-    return int(size or getattr(getattr(trainer, "datamodule", None), "vocab_size", 0) or 0) or None
 
 
 class LossSpike(DebugCallback):
