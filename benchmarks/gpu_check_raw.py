@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
             return ce + AUX_COEF * aux, ce
 
     cuda = torch.cuda.is_available()
+    if not cuda:  # as train.py on CPU: no JIT build of the shm comm op (inference only) before training
+        from dsdebug.trainer.strategy import skip_shm_comm_op
+
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
