@@ -17,6 +17,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | DataInspector | data_inspector | light, full, data |
 | Profiler | profiler | full, profile |
 | FreezeVerify | freeze_verify | full, freeze |
+| GradCheckpointing | grad_checkpointing | (add with +callbacks=grad_checkpointing) |
 | LogSync | log_sync | light, full, logs |
 | ReplicaParity | replica_parity | full |
 | LossSpike | loss_spike | light, full |
@@ -45,6 +46,7 @@ _MODULES = {
     "DataInspector": "data_inspector",
     "Profiler": "profiler",
     "FreezeVerify": "freeze_verify",
+    "GradCheckpointing": "grad_checkpointing",
     "LogSync": "log_sync",
     "ReplicaParity": "replica_parity",
     "LossSpike": "loss_spike",

@@ -18,6 +18,10 @@ number >= 0 (replaces the coefficient; 0 = no balancing). Exactly one aux term i
 ``moe_metrics`` (default true) logs the ``moe/*`` keys whenever the net has routers, also at
 coefficient 0; coefficient 0 with ``moe_metrics=false`` adds no hooks at all.
 
+``gradient_checkpointing``: false (default) | true (= non_reentrant) | reentrant | non_reentrant --
+recompute each block's activations in backward (``src/models/grad_ckpt.py``; the
+``grad_checkpointing`` check verifies it).
+
 Logged metrics:
 
 | key | meaning |
@@ -41,6 +45,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from dsdebug.models.grad_ckpt import checkpointing_mode, enable_gradient_checkpointing
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
 from dsdebug.models.optim import param_groups
 
@@ -58,10 +63,16 @@ class CausalLMModule(L.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         moe_aux_loss_coef: float | str = "auto",
         moe_metrics: bool = True,
+        gradient_checkpointing: bool | str = False,
         adapter: Any = None,
     ) -> None:
         super().__init__()
         self.net = net
+        # false | true (= non_reentrant) | reentrant | non_reentrant: src/models/grad_ckpt.py
+        self.checkpointed_blocks = enable_gradient_checkpointing(net, gradient_checkpointing)
+        if self.checkpointed_blocks:
+            log.info("gradient checkpointing (%s): %d blocks (%s ... %s)", checkpointing_mode(gradient_checkpointing),
+                     len(self.checkpointed_blocks), self.checkpointed_blocks[0], self.checkpointed_blocks[-1])
         # LoRA/QLoRA (+model/adapter=lora, src/models/adapter.py): the base frozen, the adapters train;
         # `net` stays the base for MoEBalance (it reads the HF class), its modules are the same objects
         self.adapter = adapter
