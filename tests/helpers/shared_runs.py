@@ -64,6 +64,21 @@ HEALTHY = {strategy: TWO_PROC + [f"strategy={strategy}", *DEBUG_FULL] for strate
 ENV = {"PYTHONHASHSEED": "random"}
 
 _runs: dict[str, tuple[Path, Any]] = {}
+_failed: dict[str, str] = {}  # a shared run that failed is not made again by each test that reads it
+
+
+def _memo(name: str, make: Any) -> Any:
+    """``_runs[name]``, made by ``make()`` the first time; a failure is remembered and repeated to
+    every later reader at once (a timed-out 2-process run would otherwise cost each of them 10 min)."""
+    if name in _failed:
+        raise AssertionError(f"the shared run {name!r} failed earlier in this session: {_failed[name]}")
+    if name not in _runs:
+        try:
+            _runs[name] = make()
+        except BaseException as e:
+            _failed[name] = f"{type(e).__name__}: {str(e)[-2000:]}"
+            raise
+    return _runs[name]
 
 
 def healthy_run(strategy: str, tmp_path_factory: Any, cache: Path) -> tuple[Path, Any]:
@@ -110,10 +125,11 @@ SWEEP = ["-m", "optim.lr=-1,3e-3", "strategy=zero2,zero2_offload", *TWO_PROC]
 
 def sweep_run(tmp_path_factory: Any, cache: Path) -> tuple[Path, Any]:
     """(log dir, finished process) of SWEEP, once per session; the sweep exits 1 (failed jobs)."""
-    if "sweep" not in _runs:
+    def make() -> tuple[Path, Any]:
         log_dir = tmp_path_factory.mktemp("sweep")
-        _runs["sweep"] = (log_dir, run_train(SWEEP, log_dir, cache, timeout=600))
-    return _runs["sweep"]
+        return log_dir, run_train(SWEEP, log_dir, cache, timeout=600)
+
+    return _memo("sweep", make)
 
 
 def sweep_job(strategy: str, tmp_path_factory: Any, cache: Path) -> Path:
@@ -128,12 +144,13 @@ def sweep_job(strategy: str, tmp_path_factory: Any, cache: Path) -> Path:
 
 
 def _once(name: str, args: list[str], tmp_path_factory: Any, cache: Path, env: dict | None = None) -> tuple[Path, Any]:
-    if name not in _runs:
+    def make() -> tuple[Path, Any]:
         log_dir = tmp_path_factory.mktemp(name)
         proc = run_train(args, log_dir, cache, timeout=600, env=env)
         assert_ok(proc)
-        _runs[name] = (only_run_dir(log_dir), proc)
-    return _runs[name]
+        return only_run_dir(log_dir), proc
+
+    return _memo(name, make)
 
 
 # One planted 2-process DDP run for three checks whose plants do not touch each other's
