@@ -29,11 +29,13 @@ class OutcomeMonitor(DebugCallback):
       batch norm left in train mode at eval, a train/eval branch, a different mask at eval);
     - the train/val gap growing ``gap_evals`` validations in a row to > ``gap_ratio`` x the train loss
       (overfitting in progress; with many epochs over few samples: memorisation);
-    - the training loss below ``low_fraction`` x an untrained model's: more than natural text allows
+    - the training loss (its mean since the last validation, and at the end) below ``low_fraction`` x an
+      untrained model's: more than natural text allows
       (>= ~1-2 nats/token): the model sees what it predicts (leakage) or memorised (many epochs).
 
     Ranks: rank 0 judges from ITS training loss (logged per rank) and the reduced ``val/loss`` (the
-    same on every rank); no collective. Cost: a few float reads per training step and per validation.
+    same on every rank); no collective. Cost: one tensor add per training step (no device sync); the
+    host reads the mean at each validation and at the end, where the rules are judged.
 
     Example::
 
@@ -75,12 +77,14 @@ class OutcomeMonitor(DebugCallback):
         self.prior = math.log(vocab) if vocab and vocab > 1 else None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = trainer.callback_metrics.get("train/loss")  # this rank's, already a float tensor on CPU/device
+        loss = trainer.callback_metrics.get("train/loss")  # this rank's; summed where it lives: no device sync
         if loss is not None:
-            value = float(loss)
-            self._train_sum, self._train_n = self._train_sum + value, self._train_n + 1
-            if math.isfinite(value):
-                self._judge_low(trainer, value)
+            self._train_sum, self._train_n = self._train_sum + loss.detach(), self._train_n + 1
+
+    def _train_mean(self) -> float:
+        mean = float(self._train_sum) / self._train_n  # the one host read, at a validation / the end
+        self._train_sum, self._train_n = 0.0, 0
+        return mean
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # not on_validation_epoch_end: Lightning calls callbacks' before the module's, which logs val/loss
@@ -89,9 +93,10 @@ class OutcomeMonitor(DebugCallback):
         val = trainer.callback_metrics.get("val/loss")
         if val is None:
             return
-        train, val = self._train_sum / self._train_n, float(val)
-        self._train_sum, self._train_n = 0.0, 0
-        self.judge(trainer, train, val, passes=trainer.current_epoch + 1)
+        train = self._train_mean()
+        if math.isfinite(train):
+            self._judge_low(trainer, train)
+        self.judge(trainer, train, float(val), passes=trainer.current_epoch + 1)
 
     # ---- the rules (rank 0 reports; pure given the numbers) -----------------------------------
     def judge(self, trainer: Any, train: float, val: float, passes: int) -> list[str]:
@@ -147,7 +152,7 @@ class OutcomeMonitor(DebugCallback):
             advice = ("check causality (the attention mask; position t must not see t+1), labels copied into the "
                       "inputs, train/val overlap (debug=data); the doctor's causality probe names the module")
         self._once(trainer, "warning", "loss_implausibly_low",
-                   f"training loss {train:.4g} at step {trainer.global_step} is below {self.low_fraction:g} x an "
+                   f"training loss {train:.4g} (mean over the steps up to {trainer.global_step}) is below {self.low_fraction:g} x an "
                    f"untrained model's ln(vocab) = {self.prior:.4g}, more than natural text allows: {why}", advice)
 
     def _once(self, trainer: Any, severity: str, code: str, message: str, advice: str) -> str | None:
@@ -159,6 +164,10 @@ class OutcomeMonitor(DebugCallback):
         return code
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._train_n:  # steps since the last validation (or a run without one)
+            train = self._train_mean()
+            if math.isfinite(train):
+                self._judge_low(trainer, train)
         if trainer.global_rank == 0:
             last = self._last
             text = (f"last validation at step {last['step']}: train {last['train']:.4g}, val {last['val']:.4g}, "

@@ -75,6 +75,6 @@ def test_planted_eval_mode_bug_is_named_at_the_first_validation(tmp_path, shared
 def test_planted_leak_is_loss_implausibly_low_and_healthy_is_silent(tmp_path, shared_cache):
     rows = _run(tmp_path / "leak", shared_cache, "tests.planted.outcome.PeekingLM", ["trainer.max_steps=4"])
     low = [r for r in rows if r["code"] == "loss_implausibly_low"]
-    assert low and low[0]["step"] <= 1 and "leakage" in low[0]["message"], [(r["code"], r["message"][:99]) for r in rows]
+    assert low and low[0]["step"] == 2 and "leakage" in low[0]["message"], [(r["code"], r["message"][:99]) for r in rows]
     healthy = _run(tmp_path / "healthy", shared_cache, TINY_NET[0].split("=", 1)[1], ["trainer.max_steps=30"])
     assert [r for r in healthy if r["severity"] != "info"] == []
