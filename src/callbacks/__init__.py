@@ -18,6 +18,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | Profiler | profiler | full, profile |
 | FreezeVerify | freeze_verify | full, freeze |
 | GradCheckpointing | grad_checkpointing | (add with +callbacks=grad_checkpointing) |
+| ModelGraph | model_graph | (add with +callbacks=model_graph) |
 | LogSync | log_sync | light, full, logs |
 | ReplicaParity | replica_parity | full |
 | LossSpike | loss_spike | light, full |
@@ -47,6 +48,7 @@ _MODULES = {
     "Profiler": "profiler",
     "FreezeVerify": "freeze_verify",
     "GradCheckpointing": "grad_checkpointing",
+    "ModelGraph": "model_graph",
     "LogSync": "log_sync",
     "ReplicaParity": "replica_parity",
     "LossSpike": "loss_spike",

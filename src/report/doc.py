@@ -85,6 +85,12 @@ class Document:
         self.images[f"{name}.png"] = png
         self.md += [f"![{title}]({_FILES}/{name}.png)", ""]
 
+    def svg(self, name: str, title: str, svg: str) -> None:
+        """An SVG drawing: inline in the HTML, a file beside the Markdown."""
+        self.html.append(f'<figure title="{html.escape(title)}" style="overflow-x:auto">{svg}</figure>')
+        self.images[f"{name}.svg"] = svg.encode("utf-8")
+        self.md += [f"![{title}]({_FILES}/{name}.svg)", ""]
+
     def details(self, summary: str, text: str) -> None:
         self.html.append(f"<details><summary>{html.escape(summary)}</summary><pre>{html.escape(text)}</pre></details>")
         self.md += ["<details><summary>" + html.escape(summary) + "</summary>", "", "```yaml", text.rstrip(),

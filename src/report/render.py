@@ -305,7 +305,19 @@ def _config(doc: Document, run: RunData) -> None:
     doc.details("config_resolved.yaml", path.read_text(errors="replace"))
 
 
-SECTIONS = [("Run summary", _summary), ("Findings", _findings), ("Figures", _figures),
+def _model_graph(doc: Document, run: RunData) -> None:
+    svg = _first(lambda folder: _read_text(Path(folder) / "model_graph" / "model_graph.svg"), run)
+    if not svg:
+        doc.note("not recorded: +callbacks=model_graph draws the module tree (parameters, trainable/frozen, ZeRO-3)")
+        return
+    doc.svg("model_graph", "module tree", svg)
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
+
+
+SECTIONS = [("Run summary", _summary), ("Findings", _findings), ("Figures", _figures), ("Model", _model_graph),
             ("Profiler: top ops", _top_ops), ("Environment across ranks", _env), ("Resolved config", _config)]
 
 
