@@ -8,7 +8,7 @@ and steps) and whose advice is the table's row, in this framework's config keys.
 
 | code | fires when | evidence |
 |---|---|---|
-| ``loss_not_falling`` | train/loss after warmup falls < 1% from its first to its last quarter | both means, steps, LR |
+| ``loss_not_falling`` | train/loss after warmup falls < 1% from its first to its last quarter | both means, steps, LR; then the causes the run recorded, strongest first: parameters that do not train (freeze_verify), an LR that is tiny or never reaches its peak, clipping by orders of magnitude |
 | ``loss_oscillating`` | after warmup, train/loss swings around its trend by > 5% of its level, AND the loss is not implausibly low and the swing does not repeat with the epoch (then it is the data's, not the LR's) | swing, trend level |
 | ``loss_implausibly_low`` | after warmup the loss sits below 10% of where it started (an untrained LM starts at ~ln(vocab)) | level, start, epochs: memorisation (many epochs over few samples) or leakage |
 | ``loss_diverging`` | after warmup the loss ends > 50% above its minimum, or becomes NaN/inf | min, end, first bad step |
@@ -75,15 +75,53 @@ def loss_not_falling(run: RunData) -> dict | None:
     drop = (head - tail) / abs(head) if head else 0.0
     if drop >= 0.01:
         return None
+    causes = _not_falling_causes(run)
+    generic = ("check the learning rate is not too small (optim.lr; lr=0 in a param group is caught by "
+               "freeze_verify), the data format (debug=data prints the first batch: labels must be the inputs "
+               "shifted by one), and the tokenizer (data.vocab_size, special tokens, chat template)")
     return _finding(
         "loss_not_falling", "warning",
         f"train/loss went {head:.4f} -> {tail:.4f} ({-drop:+.1%}) over steps {steps[0]}-{steps[-1]} after warmup; "
-        f"{_lr_text(run)}",
-        "check the learning rate is not too small (optim.lr; lr=0 in a param group is caught by freeze_verify), "
-        "the data format (debug=data prints the first batch: labels must be the inputs shifted by one), and the "
-        "tokenizer (data.vocab_size, special tokens, chat template)",
-        head=head, tail=tail, first_step=steps[0], last_step=steps[-1],
+        f"{_lr_text(run)}" + (f"; evidence, strongest first: {'; '.join(c for c, _ in causes)}" if causes else ""),
+        "; ".join(a for _, a in causes) + ("; else " if causes else "") + generic,
+        head=head, tail=tail, first_step=steps[0], last_step=steps[-1], causes=[c for c, _ in causes],
     )
+
+
+_FROZEN_CODES = ("not_updated", "unused_param", "detached_param", "zero_grad_param", "lr_zero_param",
+                 "not_in_optimizer", "frozen_outside_config")
+
+
+def _not_falling_causes(run: RunData) -> list[tuple[str, str]]:
+    """Why the loss does not fall, from what the run recorded, strongest evidence first: parameters that
+    do not train (freeze_verify's findings), an LR that is tiny or never reaches its configured peak,
+    gradients clipped by orders of magnitude (the logged global norm vs optim.grad_clip)."""
+    causes: list[tuple[str, str]] = []
+    frozen = [f for f in run.findings if f.get("code") in _FROZEN_CODES]
+    if frozen:
+        causes.append((f"{len(frozen)} freeze_verify finding(s), first: {frozen[0].get('message', '')[:120]}",
+                       "make those parameters train (wire them into forward, remove the detach, add them to the "
+                       "optimizer's param groups)"))
+    lr_keys = run.keys("lr")
+    peak_cfg = run.cfg("optim.lr")
+    if lr_keys:
+        _, values = run.series(lr_keys[0])
+        peak = max(values) if values else None
+        if peak is not None and peak < 1e-6:
+            causes.append((f"the LR never exceeded {peak:.1e}", "raise optim.lr (typical AdamW LRs: 1e-4..3e-3)"))
+        elif peak is not None and isinstance(peak_cfg, (int, float)) and peak_cfg > 0 and peak < 0.5 * peak_cfg:
+            causes.append((f"the LR peaked at {peak:.2e}, {peak / peak_cfg:.0%} of optim.lr={peak_cfg:g}: the schedule "
+                           "never reaches its peak", "shorten the warmup (optim.scheduler.warmup_ratio / warmup_steps) "
+                           "or run more steps (trainer.max_steps)"))
+    clip = run.cfg("optim.grad_clip")
+    _, norms = run.series("grad/norm/global")
+    norms = sorted(v for v in norms if math.isfinite(v))
+    if isinstance(clip, (int, float)) and clip > 0 and norms and norms[len(norms) // 2] > 10 * clip:
+        med = norms[len(norms) // 2]
+        causes.append((f"gradients are clipped {med / clip:.0f}x (median global norm {med:.3g} vs "
+                       f"optim.grad_clip={clip:g}): clipping dominates every update",
+                       "raise optim.grad_clip or find why the gradient norm is that large (debug=grads)"))
+    return causes
 
 
 def _trend(values: list[float], window: int = 5) -> list[float]:

@@ -58,6 +58,23 @@ def test_loss_not_falling():
     assert not [x for x in rules.evaluate(_run(loss=_healthy_loss())) if x["code"] == "loss_not_falling"]
 
 
+def test_loss_not_falling_orders_the_evidence_the_run_recorded():
+    """Issue 26 §2: a diagnosis from evidence, not a guess: frozen params first, then the LR, then clipping."""
+    flat = [6.0 + 0.01 * math.sin(s) for s in range(100)]
+    plain = _fires(_run(loss=flat), "loss_not_falling")
+    assert plain["details"]["causes"] == [] and "evidence" not in plain["message"]
+    frozen = {"check": "freeze_verify", "code": "not_in_optimizer", "severity": "error",
+              "message": "model.layers.1.w is not in the optimizer"}
+    config = {**CONFIG, "optim": {**CONFIG["optim"], "grad_clip": 1.0}}
+    extra = {"lr-AdamW": [(s, 3e-4) for s in range(100)], "grad/norm/global": [(s, 80.0) for s in range(100)]}
+    f = _fires(_run(loss=flat, findings=[frozen], config=config, extra=extra), "loss_not_falling")
+    causes = f["details"]["causes"]
+    assert len(causes) == 3 and "freeze_verify" in causes[0] and "10% of optim.lr" in causes[1]
+    assert "clipped 80x" in causes[2] and f["advice"].startswith("make those parameters train")
+    tiny = _fires(_run(loss=flat, extra={"lr-AdamW": [(s, 1e-9) for s in range(100)]}), "loss_not_falling")
+    assert tiny["details"]["causes"] == ["the LR never exceeded 1.0e-09"]
+
+
 def test_loss_oscillating():
     rng = random.Random(1)
     noisy = [v + rng.choice([-1, 1]) * 0.8 for v in _healthy_loss()]
