@@ -108,7 +108,7 @@ class DoctorCallback(DebugCallback):
                          ("train_eval", lambda: train_eval(net, batch, copy_net=False))):
             out.append(ProbeResult(name, "skip", "no local copy of the net (ZeRO-3 without a net factory)")
                        if net is None else _guard(name, fn))
-        del net
+        net = None  # the local copy is not needed past these probes
         cov, info = _guard_pair("coverage", lambda: coverage(stepper, batch))
         out.append(cov)
         out.append(_guard("plan", lambda: self._plan(trainer, pl_module, stepper, batch, info)))
