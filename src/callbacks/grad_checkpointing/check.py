@@ -51,9 +51,9 @@ class GradCheckpointing(DebugCallback):
     on CPU and GPU alike) with checkpointing -- what the step really kept, plus each block's input --
     against without -- each block's forward run once more without checkpointing on the same input,
     under a forked RNG and with the block's module hooks detached (so nothing records it and training
-    is unchanged: the loss curve is bitwise the one without the check); rank 0 reports it. Not under ZeRO-3: with the
-    counting hooks active, its backward met a still-partitioned weight (measured); the activations are
-    the same under ddp or ZeRO-1/2, so measure there. Hooks live for ``check_steps``
+    is unchanged: the loss curve is bitwise the one without the check); rank 0 reports it. Not under ZeRO-3: the second
+    forward needs ZeRO-3's gathering hooks, and running them outside the step broke its backward (a
+    size-0 weight, measured); the activations are the same under ddp or ZeRO-1/2, so measure there. Hooks live for ``check_steps``
     micro-batches, then are removed. No collective: every rank judges its own batches.
 
     Example::
@@ -102,12 +102,13 @@ class GradCheckpointing(DebugCallback):
         self._routes: dict[str, dict[str, list[torch.Tensor]]] = {}
         self._measure: dict[str, Any] | None = None
         self._suspended = False
-        # ZeRO-3: with the counting hooks active its backward met a still-partitioned weight (a size-0 matmul in
-        # DeepSpeed's LinearFunctionForZeroStage3; measured on CPU, DeepSpeed 0.19.8), so no counting there
+        # ZeRO-3: the measurement's second forward needs ZeRO-3's parameter-gathering hooks (detached, nothing is
+        # gathered), and with them its backward met a still-partitioned weight (a size-0 matmul in DeepSpeed's
+        # LinearFunctionForZeroStage3; CPU, DeepSpeed 0.19.8): no measurement there
         self._partitioned = bool(getattr(trainer.strategy, "zero_stage_3", False))
         if self.memory and self._partitioned:
             self.report_capped(trainer, "info", "activation_memory", "activation memory is not measured under ZeRO-3 "
-                               "(saved-tensor hooks break its parameter gathering in backward)",
+                               "(the second forward it takes disturbs ZeRO-3's parameter gathering)",
                                "measure it with the same model under ddp or ZeRO-1/2 (the activations are the same)")
         self._aux_loss_check(trainer, pl_module)
         for name, (block, _) in self._blocks.items():
