@@ -250,7 +250,7 @@ class FreezeVerify(DebugCallback):
         # fewer steps than check_after_steps (short run, early stop): verify what there is
         if self._pending and trainer.global_step > self._target - self.check_after_steps:
             self._finish(trainer)
-        elif any(self._by_design) and getattr(self, "_base_start", None) is not None:
+        if any(self._by_design) and getattr(self, "_base_start", None) is not None:
             # after the window: the base must still be what this fit started with (COLLECTIVE under ZeRO-3)
             self._report_moved(trainer, self._base_start, self._sums(trainer), "base_param_changed")
 

@@ -74,7 +74,11 @@ class OutcomeMonitor(DebugCallback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         vocab = untrained_vocab(trainer, pl_module)
-        self.prior = math.log(vocab) if vocab and vocab > 1 else None
+        net = getattr(pl_module, "net", None)
+        # pretrained weights (from_pretrained sets name_or_path) start far below ln(vocab), and a fine-tune
+        # may end below its tenth: the untrained model's loss is no yardstick for them
+        pretrained = bool(getattr(net, "name_or_path", "") or getattr(getattr(net, "config", None), "_name_or_path", ""))
+        self.prior = math.log(vocab) if vocab and vocab > 1 and not pretrained else None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = trainer.callback_metrics.get("train/loss")  # this rank's; summed where it lives: no device sync

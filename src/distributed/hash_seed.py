@@ -20,6 +20,7 @@ import os
 import sys
 
 ENV = "PYTHONHASHSEED"
+MARK = "DSDEBUG_HASH_SEED_FROM_ENTRY"  # the value fix_hash_seed chose (not the user's)
 DEFAULT = "0"  # conf/callbacks/reproducibility.yaml hash_seed (tests/distributed/test_hash_seed.py holds them equal)
 _OVERRIDE = "callbacks.reproducibility.hash_seed="
 
@@ -38,7 +39,27 @@ def fix_hash_seed(argv: list[str]) -> None:
     """Re-execute this process with ``PYTHONHASHSEED`` set, unless it is set already (never returns then)."""
     if ENV in os.environ:
         return
-    os.environ[ENV] = wanted(argv)
+    os.environ[ENV] = os.environ[MARK] = wanted(argv)
+    _reexec()
+
+
+def match_config(cfg) -> None:
+    """Once the config is composed (before Hydra makes the run dir): when the seed fix_hash_seed chose from
+    the command line is not the composed ``callbacks.reproducibility.hash_seed`` (set in an experiment or
+    preset YAML), re-execute with the composed one, so this process and the ranks it starts agree."""
+    chosen = os.environ.get(MARK)
+    if chosen is None or os.environ.get(ENV) != chosen:
+        return  # the user's own PYTHONHASHSEED: theirs
+    from omegaconf import OmegaConf
+
+    want = OmegaConf.select(cfg, "callbacks.reproducibility.hash_seed", default=None)
+    if want is None or str(want) == chosen or not str(want).isdigit():
+        return
+    os.environ[ENV] = os.environ[MARK] = str(want)
+    _reexec()
+
+
+def _reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

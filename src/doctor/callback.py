@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -114,7 +115,10 @@ class DoctorCallback(DebugCallback):
         out.append(_guard("plan", lambda: self._plan(trainer, pl_module, stepper, batch, info)))
         out.append(_guard("memory", lambda: self._memory(trainer, pl_module, stepper)))
         failed_cov = cov.culprit if cov.failed else ""
-        ckpt_dir = Path(self.workdir) if self.workdir else Path(tempfile.gettempdir()) / f"dsdebug-doctor-{id(self)}"
+        # one folder for every rank: rank 0's name, broadcast (COLLECTIVE; each rank's own temp name would
+        # leave rank 1 loading a checkpoint it never wrote)
+        ckpt_dir = Path(self.workdir) if self.workdir else Path(trainer.strategy.broadcast(
+            str(Path(tempfile.gettempdir()) / f"dsdebug-doctor-{os.getpid()}"), src=0))
         holder: dict[str, Any] = {}
 
         def train() -> list[float]:

@@ -103,9 +103,11 @@ def _not_falling_causes(run: RunData) -> list[tuple[str, str]]:
                        "make those parameters train (wire them into forward, remove the detach, add them to the "
                        "optimizer's param groups)"))
     lr_keys = run.keys("lr")
-    peak_cfg = run.cfg("optim.lr")
+    # the LR the optimizer was built with: prepare writes the batch-scaled LR to optim.optimizer.lr
+    peak_cfg = run.cfg("optim.optimizer.lr")
+    peak_cfg = peak_cfg if isinstance(peak_cfg, (int, float)) else run.cfg("optim.lr")
     if lr_keys:
-        _, values = run.series(lr_keys[0])
+        values = [v for key in lr_keys for v in run.series(key)[1]]  # every param group: the largest counts
         peak = max(values) if values else None
         if peak is not None and peak < 1e-6:
             causes.append((f"the LR never exceeded {peak:.1e}", "raise optim.lr (typical AdamW LRs: 1e-4..3e-3)"))

@@ -55,6 +55,10 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
         fail(text.rstrip(".") + hint if hint else text)
     finally:
         GlobalHydra.instance().clear()
+    if not multirun:  # a sweep's jobs run as processes of their own, which come through here
+        from dsdebug.distributed.hash_seed import match_config
+
+        match_config(composed[0])  # the entry read the hash seed from the command line; a YAML may set it
 
 
 _MISSING_KEY = re.compile(r"Could not (?:override|delete from config\.) '?([\w.\-]+)'")

@@ -57,6 +57,21 @@ def test_rules_fire_on_their_evidence_only(tmp_path):
     assert none.judge(_trainer(), 6.0, 40.0, passes=1) == []
 
 
+def test_pretrained_weights_have_no_untrained_prior():
+    """A fine-tune of pretrained weights may end below 0.1 ln(vocab): no leakage/untrained-loss judgement."""
+    class Head:
+        out_features = 4096
+
+    def module(name_or_path):
+        net = SimpleNamespace(get_output_embeddings=lambda: Head(), name_or_path=name_or_path)
+        return SimpleNamespace(net=net, _losses={})
+
+    for name, prior in (("", LNV), ("/models/llama-7b", None)):
+        om = OutcomeMonitor()
+        om.on_fit_start(SimpleNamespace(datamodule=None), module(name))
+        assert om.prior == prior, name
+
+
 def _run(tmp_path, cache, net, extra=()):
     run_dir = tmp_path / "run"
     train_in_process(SMOKE + [f"model.net._target_={net}", "+callbacks=outcome_monitor", "trainer.max_steps=8",

@@ -42,3 +42,22 @@ def test_the_runs_hash_seed_override_is_used_and_an_exported_value_kept():
 def test_default_equals_the_reproducibility_config():
     conf = yaml.safe_load((CONF / "callbacks" / "reproducibility.yaml").read_text())
     assert str(conf["reproducibility"]["hash_seed"]) == hash_seed.DEFAULT
+
+
+_COMPOSED = ("import os, sys; from omegaconf import OmegaConf; "
+             "from dsdebug.distributed.hash_seed import fix_hash_seed, match_config; "
+             "print('start', flush=True); fix_hash_seed(sys.argv[1:]); "
+             "match_config(OmegaConf.create({'callbacks': {'reproducibility': {'hash_seed': 7}}})); "
+             "print(os.environ['PYTHONHASHSEED'], flush=True)")
+
+
+def test_a_hash_seed_set_in_a_yaml_reaches_this_process_too():
+    """The entry reads the command line only; once composed, a YAML's hash_seed (7 here) re-executes the
+    process with it, so rank 0 and the ranks it starts hash alike. An exported value stays the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", hash_seed.MARK)}
+    out = subprocess.run([sys.executable, "-c", _COMPOSED], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["start", "start", "start", "7"]  # 0 from the command line, then 7 from the config
+    kept = subprocess.run([sys.executable, "-c", _COMPOSED], env={**env, "PYTHONHASHSEED": "3"}, capture_output=True,
+                          text=True, timeout=60)
+    assert kept.stdout.split() == ["start", "3"]

@@ -76,6 +76,11 @@ class GradCheckpointing(DebugCallback):
     name = "grad_checkpointing"
     state_attrs = ()
 
+    # each rank judges its own tokens' routes: a skip or stop decided on one rank alone would leave the
+    # others in the step's collectives (a hang), so the findings warn and name the rank
+    policies = ("warn",)
+    policy_note = "skip and stop would be decided on one rank alone"
+
     def __init__(self, check_steps: int = 3, routing: bool = True, memory: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
         self.check_args(check_steps=(check_steps, integer(1)), routing=(routing, boolean()),
@@ -139,6 +144,9 @@ class GradCheckpointing(DebugCallback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self._handles:
             return
+        if self._measure is not None and self._phase == "forward":  # the last batch had no backward
+            self._measure["with"].exit()
+            self._measure = None
         self._phase = "forward"
         self._routes = {}
         if self.memory and self._seen == 0 and not self._partitioned:
@@ -211,6 +219,9 @@ class GradCheckpointing(DebugCallback):
         # outputs through hooks, and an extra record changed the aux loss (measured: the loss curve moved)
         modules = list(block.modules())
         saved_hooks = [(m._forward_pre_hooks, m._forward_hooks) for m in modules]
+        # a stateful forward (BatchNorm's running stats, an in-forward bias/EMA update) must not run twice
+        # in what is trained: its buffers are put back as they were
+        buffers = [(b, b.detach().clone()) for b in block.buffers()]
         self._suspended = True
         try:
             for m in modules:
@@ -222,6 +233,9 @@ class GradCheckpointing(DebugCallback):
         finally:
             for m, (pre, post) in zip(modules, saved_hooks):
                 m._forward_pre_hooks, m._forward_hooks = pre, post
+            with torch.no_grad():
+                for b, before in buffers:
+                    b.copy_(before)
             self._suspended = False
         return counter.bytes
 

@@ -147,7 +147,9 @@ class Reproducibility(DebugCallback):
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         if self.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=self.warn_only)
+            # a strict mode already on (trainer.deterministic=true: raise on a nondeterministic op) stays strict
+            strict = was_on and not torch.is_deterministic_algorithms_warn_only_enabled()
+            torch.use_deterministic_algorithms(True, warn_only=self.warn_only and not strict)
             torch.utils.deterministic.fill_uninitialized_memory = self.fill
         return was_on
 
