@@ -62,7 +62,8 @@ CHECK_CLASSES = {"reproducibility": "Reproducibility", "comm_debug": "CommDebug"
                  "grad_checkpointing": "GradCheckpointing", "log_sync": "LogSync", "replica_parity": "ReplicaParity",
                  "loss_spike": "LossSpike", "layer_health": "LayerHealth", "moe_router": "MoERouter",
                  "memory": "MemoryMonitor", "throughput": "Throughput", "mixed_precision": "MixedPrecisionCheck",
-                 "nan_triage": "NaNTriage", "grad_scale": "GradScaleCheck", "consistency": "ConsistencyCheck"}
+                 "nan_triage": "NaNTriage", "grad_scale": "GradScaleCheck", "consistency": "ConsistencyCheck",
+                 "outcome_monitor": "OutcomeMonitor", "model_graph": "ModelGraph"}
 
 
 def in_plain_words(finding: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +309,8 @@ def _config(doc: Document, run: RunData) -> None:
 def _model_graph(doc: Document, run: RunData) -> None:
     svg = _first(lambda folder: _read_text(Path(folder) / "model_graph" / "model_graph.svg"), run)
     if not svg:
-        doc.note("not recorded: +callbacks=model_graph draws the module tree (parameters, trainable/frozen, ZeRO-3)")
+        hint = "ModelGraph() in the Trainer's callbacks" if run.plain else "+callbacks=model_graph"
+        doc.note(f"no module tree in this run (opt-in: {hint} draws it, with parameters, trainable/frozen, ZeRO-3)")
         return
     doc.svg("model_graph", "module tree", svg)
 

@@ -45,7 +45,10 @@ def _norm(name: str) -> str:
 def closure(requirements: list[str]) -> dict[str, md.Distribution]:
     """The installed distributions ``requirements`` need, transitively (an extra only where a
     requirement names it, as ``fsspec[http]``)."""
-    installed = {_norm(d.metadata["Name"]): d for d in md.distributions()}
+    # this venv's site-packages only: once something imported setuptools, sys.path also holds its vendored
+    # copies (setuptools/_vendor/packaging-*.dist-info), which would shadow the real ones here
+    site = str(Path(next(iter(md.distributions(name="torch"))).locate_file("")))
+    installed = {_norm(d.metadata["Name"]): d for d in md.distributions(path=[site])}
     found: dict[str, md.Distribution] = {}
     done: set[tuple[str, str]] = set()
     todo = [(Requirement(r), "") for r in requirements]
