@@ -9,7 +9,7 @@ Per round: the wall time of the whole command, the doctor's own time (``metrics.
 composition, to the verdict: building data/model/strategy, DeepSpeed's set-up, every probe), the
 CPU seconds rank 0's process spent in it (``doctor_cpu_s``: on a machine shared with other work,
 the closest to what the doctor costs on 2 free cores, one per rank), the CPU seconds of the whole
-command (both ranks, start-up included) and each probe's seconds. The budget (issue 26) is 90 s for the doctor beyond process start. The host's
+command (both ranks, start-up included) and each probe's seconds. The budget is 90 s for the doctor beyond process start. The host's
 load average is recorded before and after each round: the doctor's time scales with it on a shared
 machine. Results: logs/bench/doctor/results.json and doctor.md.
 """

@@ -17,7 +17,7 @@ DeepSeek nets already block attention across documents when given per-document `
 alone (HF detects packed sequences from positions that restart); the explicit 4-D mask does the same
 for a net that does not, and without either the probe moves the later documents' logits by ~10.
 
-Not wired into ``LMDataModule`` / ``CausalLMModule`` yet (issue 28 §3): this is the packing itself and its
+Not wired into ``LMDataModule`` / ``CausalLMModule`` yet: this is the packing itself and its
 probe. Runs on one process; nothing here calls a collective.
 """
 

@@ -13,7 +13,7 @@ The LR rule it implies (``lr_for_tokens``): the loss is a mean over a step's tok
 fewer tokens has a noisier gradient of the same scale. The linear scaling rule scales the LR by
 ``tokens / reference_tokens`` (DeepSpeed's ``VariableBatchSizeLR`` does this with the batch size);
 ``sqrt`` is the rule usually taken for Adam; ``none`` keeps it. Not wired into ``LMDataModule`` yet
-(issue 28 §3). Nothing here calls a collective.
+Nothing here calls a collective.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ config builds and renders in seconds with no weight allocated) and on a ZeRO-3-p
 Repeated siblings with the same structure (decoder layers 3..29) are folded into one row ``x N``.
 ``render_svg(rows)`` draws the tree as an SVG of its own; ``render_markdown(rows)`` the same as a table.
 
-Why not torchview / torchviz (seed 000): both trace a forward (torchview) or a backward graph
+Why not torchview / torchviz (the usual model-graph tools): both trace a forward (torchview) or a backward graph
 (torchviz) and need Graphviz's ``dot`` binary, which the project's install does not bring. A forward on
 the meta device fails for the DeepSeek MoE nets (routing reads data: ``Tensor.item() cannot be called
 on meta tensors``, measured with transformers 5.23), so no forward-tracing library can draw a 7B
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 

@@ -133,7 +133,7 @@ def _layer0_norm_at_step0(run_dir) -> float:
 
 
 def test_early_spike_rule_judges_before_the_ema_is_warm():
-    """Issue 26 §4: before warmup_steps the EMA is not trusted; 10x the median of the healthy norms so
+    """Before warmup_steps the EMA is not trusted; 10x the median of the healthy norms so
     far is a spike from the 4th step on, while a few-fold early drift is not."""
     from dsdebug.callbacks.grad_monitor import GradMonitor
 

@@ -61,7 +61,7 @@ def test_relative_vanishing_needs_patience_is_per_element_and_reported_once_per_
 
 
 def test_early_prior_names_a_block_orders_below_the_largest_even_when_all_blocks_are_low(tmp_path):
-    """Issue 26 §4: at a healthy init layers sit within ~1e-2 of each other; a branch scaled by 1e-4 is
+    """At a healthy init layers sit within ~1e-2 of each other; a branch scaled by 1e-4 is
     named after patience checks from step 0, also when every block is low (the median then is low too)."""
     configure_channel(tmp_path)
     cb = LayerHealth(patience=3, warmup_steps=5)
@@ -218,7 +218,7 @@ def test_zero3_two_processes_values_match_full_tensors_and_name_the_block(tmp_pa
     assert [r for r in found if r["code"] == "layer_summary"][0]["details"]["source"] == "zero3"
 
 
-EARLY_NETS = {  # issue 26 §4: residual branches scaled by 1e-4 from initialisation -> the blocks named
+EARLY_NETS = {  # residual branches scaled by 1e-4 from initialisation -> the blocks named
     "one_block": (["model.net._target_=tests.planted.layers.BlockLM", "+model.net.scaled_block=1",
                    "+model.net.scale=1e-4"], ["model.layers.1"]),
     "all_blocks": (["model.net._target_=tests.planted.early.ScaledResidualLM"],

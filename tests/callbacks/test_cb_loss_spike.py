@@ -80,7 +80,7 @@ def test_warmup_and_rollback_window():
 
 # ---- the skip record and the data path ------------------------------------------------------------
 def test_early_steps_judged_against_an_untrained_models_loss_then_a_short_history():
-    """Issue 26 §4: no history needed at step 0 (ln(vocab)); from 3 healthy steps a jump against the last 5."""
+    """No history needed at step 0 (ln(vocab)); from 3 healthy steps a jump against the last 5."""
     lnv = math.log(4096)
     w = SpikeWindow(window=50, warmup_steps=20, z_threshold=6.0, min_rel_jump=0.25, grad_ratio=3.0, prior=lnv)
     assert not w.judge(lnv + 0.2, 1.0)["spike"]  # an untrained LM starts at ~ln(vocab)

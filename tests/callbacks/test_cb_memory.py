@@ -72,7 +72,7 @@ def _deepspeed_params_in_partition(numels: list[int], n: int, rank: int) -> int:
 @pytest.mark.parametrize("numels", [[131072, 16384, 512, 2097152, 4096], [7, 1000, 3, 999, 5], [64] * 9, [10**6]])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_zero2_gradient_partition_matches_deepspeeds_layout(numels, n):
-    """ZeRO-2 holds whole every gradient that overlaps the rank's partition (issue 26: a 2-rank run of
+    """ZeRO-2 holds whole every gradient that overlaps the rank's partition (a 2-rank run of
     a net of two big tensors read 1.16x the paper's Psi/N and raised model_states_unexpected)."""
     groups = [(numels, [0] * len(numels), False)]
     for rank in range(n):

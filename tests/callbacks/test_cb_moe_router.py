@@ -233,7 +233,7 @@ def test_two_processes_zero3_collapse_decided_on_all_ranks_tokens(tmp_path, shar
 
 @pytest.mark.parametrize("mode", ["bias", "tie", "zeros"])
 def test_router_collapsed_at_initialisation_is_named_at_step_0(mode, tmp_path, shared_cache):
-    """Issue 26 §4: the 100-step warm-up used to hide it; a fresh router's near-uniform load is the prior."""
+    """The 100-step warm-up used to hide it; a fresh router's near-uniform load is the prior."""
     run_dir = tmp_path / "run"
     m = train_in_process(RUN + SMALL_DEEPSEEK + ["trainer.max_steps=3", "callbacks.moe_router.warmup_steps=100",
                                                 "+callbacks.plant._target_=tests.planted.early.RouterInit",

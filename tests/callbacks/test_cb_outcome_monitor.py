@@ -1,4 +1,4 @@
-"""outcome_monitor (issue 26 §2): validation non-finite while training is finite, validation above an
+"""outcome_monitor: validation non-finite while training is finite, validation above an
 untrained model's loss while training improves (memorisation vs an eval-mode bug, told apart by the
 passes over the data), a growing train/val gap, a training loss too low to be true. Units on numbers,
 then planted nets (tests/planted/outcome.py) in short in-process runs."""

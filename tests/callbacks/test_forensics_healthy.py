@@ -1,6 +1,6 @@
 """False positives: debug=full on long healthy 2-rank runs reports no warning or error from any check.
 
-Issue 14's forensics checks (replica parity, loss spikes, relative layer health, MoE router
+The forensics checks (replica parity, loss spikes, relative layer health, MoE router
 health, memory, throughput, mixed precision, NaN triage) have thresholds; they must stay silent
 over hundreds of healthy steps, including the jumpy first ~50 steps of a random-init model, not
 only over the 6 steps of the shared debug=full runs. Three 200-step 2-rank runs: the default
@@ -9,8 +9,8 @@ top-2) under ZeRO-2. The per-rank batch is smaller than the default (4 x 64 toke
 8 x 128) to keep the suite's time: noisier gradients and losses make silence harder, not easier.
 Each check must also have run: its end-of-run info summary is in findings.jsonl.
 
-Issue 26 §5 widens the families and strategies (GPT-2, Llama, small custom nets including one of two
-big tensors, under DDP, ZeRO-2 and ZeRO-3) and §4's early-step priors (loss vs ln(vocab), layer
+More families and strategies (GPT-2, Llama, small custom nets including one of two
+big tensors, under DDP, ZeRO-2 and ZeRO-3) run too, and the early-step priors (loss vs ln(vocab), layer
 gradients vs a healthy init, a fresh router's load) must stay silent too: one short in-process run
 per family in the fast tier, judged by the checks that carry those priors.
 """
@@ -72,7 +72,7 @@ CASES = {
     "mixtral_zero2": ["strategy=zero2", *HF_ARGS],
     "gpt2_ddp": ["strategy=ddp", *HF_ARGS],
     "llama_zero3": ["strategy=zero3", *HF_ARGS],
-    "two_big_tensors_zero2": ["strategy=zero2", *TWO_BIG],  # issue 26: memory/model_states_unexpected 1.16x
+    "two_big_tensors_zero2": ["strategy=zero2", *TWO_BIG],  # once a memory/model_states_unexpected false alarm (1.16x)
     "two_big_tensors_zero3": ["strategy=zero3", *TWO_BIG],
     "blocks_ddp": ["strategy=ddp", *BLOCKS],
 }

@@ -1,4 +1,4 @@
-"""Planted bugs in the FIRST steps of a run (issue 26 §4): each must be named within 5 steps of onset
+"""Planted bugs in the FIRST steps of a run: each must be named within 5 steps of onset
 although the detectors' windows are not warm yet.
 
 Spikes (``+callbacks.plant._target_=tests.planted.early.LRBlowUp +callbacks.plant.step=8``):

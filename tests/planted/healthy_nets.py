@@ -1,4 +1,4 @@
-"""Healthy custom nets for the "silent on healthy runs" tests (issue 26 §5): nothing is planted.
+"""Healthy custom nets for the "silent on healthy runs" tests: nothing is planted.
 
 ``model.net._target_=tests.planted.healthy_nets.TwoBigLinearLM``: an embedding and two large Linear
 layers (most of the parameters sit in two tensors), the shape that once raised a false

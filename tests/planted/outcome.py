@@ -1,4 +1,4 @@
-"""Planted outcome bugs for outcome_monitor (issue 26 §2).
+"""Planted outcome bugs for outcome_monitor.
 
 ``model.net._target_=tests.planted.outcome.EvalBugLM``: the eval-mode forward multiplies the logits by
 ``factor`` (an eval-only branch gone wrong): validation is far worse than an untrained model while

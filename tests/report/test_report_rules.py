@@ -59,7 +59,7 @@ def test_loss_not_falling():
 
 
 def test_loss_not_falling_orders_the_evidence_the_run_recorded():
-    """Issue 26 §2: a diagnosis from evidence, not a guess: frozen params first, then the LR, then clipping."""
+    """A diagnosis from evidence, not a guess: frozen params first, then the LR, then clipping."""
     flat = [6.0 + 0.01 * math.sin(s) for s in range(100)]
     plain = _fires(_run(loss=flat), "loss_not_falling")
     assert plain["details"]["causes"] == [] and "evidence" not in plain["message"]
@@ -83,7 +83,7 @@ def test_loss_oscillating():
 
 
 def test_lower_the_lr_needs_its_own_evidence_leakage_and_memorisation_are_named_instead():
-    """Issue 26: "oscillating -> lower the LR" fired on a model that could see the answer and on a run
+    """Once, "oscillating -> lower the LR" fired on a model that could see the answer and on a run
     that trained on the same few sequences; each now gets its own finding and no LR advice."""
     rng = random.Random(2)
     leak = [8.3 * math.exp(-s / 3) + 0.02 + abs(rng.gauss(0, 0.02)) for s in range(100)]  # near 0, +-100%
