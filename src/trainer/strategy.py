@@ -266,23 +266,35 @@ def guard_reentrant_forward(engine: Any) -> None:
 def enable_activation_checkpointing(config: dict, module: Any, is_global_zero: bool) -> None:
     """A ds_config's "activation_checkpointing" section asks for activation checkpointing; under
     Lightning DeepSpeed only configures its own checkpoint function, which HF models never call.
-    Turn on the model's gradient checkpointing instead (recompute in backward, same math)."""
+    Turn on the model's gradient checkpointing instead (recompute in backward, same math), non-reentrant,
+    through models/grad_ckpt.py so the grad_checkpointing check sees which blocks and which mode. A net
+    that ``model.gradient_checkpointing`` already checkpoints keeps the user's mode."""
     if not isinstance((config or {}).get("activation_checkpointing"), dict) or module is None:
         return
+    from dsdebug.models.grad_ckpt import checkpointed_blocks, enable_gradient_checkpointing
+
     net = getattr(module, "net", module)
-    if hasattr(net, "gradient_checkpointing_enable") and getattr(net, "supports_gradient_checkpointing", False):
-        enable = getattr(net, "activation_checkpointing_enable", None)  # transformers 5's name (the old one warns)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    done = checkpointed_blocks(net)
+    if done:
         if is_global_zero:
-            log.info("ds_config activation_checkpointing: gradient checkpointing on for %s (activations are "
-                     "recomputed in backward: less memory, about a third more compute)", type(net).__name__)
-    elif is_global_zero:
+            modes = sorted({mode for _, mode in done.values()})
+            log.info("ds_config activation_checkpointing: %d blocks of %s are checkpointed already "
+                     "(model.gradient_checkpointing=%s): kept", len(done), type(net).__name__, "/".join(modes))
+        return
+    try:
+        names = enable_gradient_checkpointing(net, "non_reentrant")
+    except ConfigError:
+        names = []
+    if not is_global_zero:
+        return
+    if names:
+        log.info("ds_config activation_checkpointing: gradient checkpointing on for %d blocks of %s (non-reentrant; "
+                 "activations are recomputed in backward: less memory, about a third more compute)", len(names),
+                 type(net).__name__)
+    else:
         log.warning("ds_config activation_checkpointing is ignored: %s has no gradient checkpointing "
-                    "(gradient_checkpointing_enable); call deepspeed.checkpointing.checkpoint in its forward",
-                    type(net).__name__)
+                    "(gradient_checkpointing_enable) and no nn.ModuleList of blocks; call "
+                    "deepspeed.checkpointing.checkpoint in its forward", type(net).__name__)
 
 
 def cache_cpu_device_count() -> None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from dsdebug.trainer.strategy import DebugDeepSpeedStrategy
 
 
-class _Net:
+class _Net(torch.nn.Module):
     supports_gradient_checkpointing = True
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls = 0
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:

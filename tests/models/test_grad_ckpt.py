@@ -98,6 +98,27 @@ def test_blocks_are_marked_with_their_mode_and_listed_in_order():
     assert getattr(plain.layers[0], CKPT_ATTR) == "non_reentrant"
 
 
+def test_a_ds_config_activation_checkpointing_section_keeps_the_users_mode_and_marks_what_it_turns_on():
+    """strategy=deepspeed_json with an "activation_checkpointing" section: a net the user checkpointed
+    (reentrant here) keeps that mode; otherwise its blocks are checkpointed non-reentrant AND marked, so
+    the grad_checkpointing check judges what really runs (HF nets and plain nets of blocks alike)."""
+    from dsdebug.trainer.strategy import enable_activation_checkpointing
+
+    section = {"activation_checkpointing": {"partition_activations": False}}
+    mine = NETS["deepseek_v3"]()
+    enable_gradient_checkpointing(mine, "reentrant")
+    enable_activation_checkpointing(section, mine, is_global_zero=True)
+    assert {mode for _, mode in checkpointed_blocks(mine).values()} == {"reentrant"}
+    for name, blocks in (("deepseek_v3", 3), ("block_lm", 3)):
+        net = NETS[name]()
+        enable_activation_checkpointing(section, net, is_global_zero=True)
+        found = checkpointed_blocks(net)
+        assert len(found) == blocks and {mode for _, mode in found.values()} == {"non_reentrant"}, name
+    untouched = NETS["block_lm"]()
+    enable_activation_checkpointing({}, untouched, is_global_zero=True)  # no section: nothing
+    assert checkpointed_blocks(untouched) == {}
+
+
 def test_off_leaves_the_net_untouched():
     net = BlockLM(vocab_size=64)
     assert enable_gradient_checkpointing(net, False) == [] and checkpointed_blocks(net) == {}
