@@ -107,6 +107,17 @@ def test_bad_flags_are_one_line_errors():
 
 
 @pytest.mark.slow
+def _preset_checks(preset: str) -> dict[str, str]:
+    """The checks a debug preset selects: config name -> class name (conf/debug/<preset>.yaml's defaults)."""
+    import yaml
+
+    conf = REPO / "conf"
+    names = [d.split("/")[2].split("@")[0] for d in yaml.safe_load((conf / "debug" / f"{preset}.yaml").read_text())["defaults"]
+             if isinstance(d, str) and d.startswith("/callbacks/")]
+    return {n: yaml.safe_load((conf / "callbacks" / f"{n}.yaml").read_text())[n]["_target_"].rsplit(".", 1)[1]
+            for n in names}
+
+
 def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, shared_cache):
     out = tmp_path / "bench"
     cmd = [sys.executable, str(SCRIPT), "--cells", "zero2:1", "--variants", "none,light", "--rounds", "2",
@@ -118,8 +129,8 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = json.loads((out / "zero2_x1" / "cell.json").read_text())
     assert [(f["round"], f["variant"]) for f in cell["fits"]] == [(0, "none"), (0, "light"), (1, "light"), (1, "none")]
-    debug = {"Reproducibility", "GradMonitor", "DataInspector", "CommDebug", "LogSync", "LossSpike", "MoERouter",
-             "MemoryMonitor", "Throughput", "MixedPrecisionCheck"}
+    light = _preset_checks("light")  # name -> class, as conf/debug/light.yaml selects them
+    debug = set(light.values())
     for fit in cell["fits"]:
         assert fit["window"] == (50 if fit["variant"] == "light" else 3)  # light's cadence is 50 steps
         assert len(fit["step_s"]) == 2 + fit["window"] and all(t > 0 for t in fit["step_s"])
@@ -133,9 +144,7 @@ def test_small_cell_fits_each_variant_in_one_process_without_leaks(tmp_path, sha
         assert "PreemptionCheckpoint" in fit["callbacks"]  # the framework's own callbacks stay in every variant
         # the stopwatch wrapped exactly the debug callbacks, and their hooks ran during the steps
         timed = set(fit["hook_s"])
-        assert timed == ({"reproducibility", "grad_monitor", "data_inspector", "comm_debug", "log_sync", "loss_spike",
-                          "moe_router", "memory", "throughput", "mixed_precision"}
-                         if fit["variant"] == "light" else set()), timed
+        assert timed == (set(light) if fit["variant"] == "light" else set()), timed
         if timed:
             assert all(sum(fit["hook_s"][cb][2:5]) > 0 for cb in ("grad_monitor", "data_inspector")), fit["hook_s"]
     results = json.loads((out / "overhead.json").read_text())
