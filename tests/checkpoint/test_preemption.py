@@ -117,9 +117,9 @@ def _requeue_in_place(log_dir, run_dir, ckpt, step, requeue, shared_cache, unint
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(d.name.endswith(f"-{run_id}") for d in offline), offline
     tb = run_dir / "tensorboard"
-    # one events file per attempt, plus one per completed attempt for the findings sent after fit (the
-    # logger closed its writer at the end of fit): all in the one dir, merged by TensorBoard
-    assert not list(tb.glob("version_*")) and len(list(tb.glob("events.out.tfevents.*"))) in (2, 3)
+    # one events file per attempt, plus one per attempt for what is sent after fit (the findings and the
+    # incidents; the logger closed its writer at the end of fit): all in the one dir, merged by TensorBoard
+    assert not list(tb.glob("version_*")) and 2 <= len(list(tb.glob("events.out.tfevents.*"))) <= 4
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb))
