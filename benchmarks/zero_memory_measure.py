@@ -130,7 +130,6 @@ def measure(strategy: str, model_kwargs: dict, steps: int, dtype: str = "bf16") 
     import torch
 
     from dsdebug.models.deepseek import build_deepseek_v3
-
     spec = STRATEGIES[strategy]
     torch.manual_seed(0)
     vocab = model_kwargs.get("vocab_size", 4096)
@@ -189,6 +188,10 @@ def _worker(spec_json: str) -> None:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     job = json.loads(spec_json)
+    from dsdebug.trainer.strategy import skip_shm_comm_op
+
+    skip_shm_comm_op()  # as train.py: DeepSpeed's CPU shm comm op (inference only) is neither built nor loaded,
+    # so a first run on a fresh machine measures the same memory as later ones
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     print(f"[rank {rank}] import + init_distributed: {time.perf_counter() - t0:.1f} s", flush=True)
