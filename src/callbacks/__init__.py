@@ -19,6 +19,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | FreezeVerify | freeze_verify | full, freeze |
 | GradCheckpointing | grad_checkpointing | (add with +callbacks=grad_checkpointing) |
 | ModelGraph | model_graph | (add with +callbacks=model_graph) |
+| PackingCheck | packing | (add with +callbacks=packing) |
 | LogSync | log_sync | light, full, logs |
 | ReplicaParity | replica_parity | full |
 | LossSpike | loss_spike | light, full |
@@ -49,6 +50,7 @@ _MODULES = {
     "FreezeVerify": "freeze_verify",
     "GradCheckpointing": "grad_checkpointing",
     "ModelGraph": "model_graph",
+    "PackingCheck": "packing",
     "LogSync": "log_sync",
     "ReplicaParity": "replica_parity",
     "LossSpike": "loss_spike",

@@ -175,6 +175,7 @@ def _validate_data(data: DictConfig) -> None:
             raise ConfigError(f"data.{key} must be a positive int, got {value!r}")
     cache_dir = data.get("cache_dir")
     synthetic = str(data.get("source", {}).get("_target_", "")).endswith("SyntheticCorpus")
+    _validate_documents(data, synthetic)
     if isinstance(cache_dir, str) and cache_dir and not synthetic:  # synthetic data writes no cache
         problem = dir_problem(cache_dir)
         if problem:
@@ -182,6 +183,26 @@ def _validate_data(data: DictConfig) -> None:
                 f"data.cache_dir={cache_dir}: cannot create the tokenizer cache there: {problem}; "
                 "valid: a writable directory (set data.cache_dir, paths.cache_dir or DSDEBUG_CACHE_DIR)"
             )
+
+
+def _validate_documents(data: DictConfig, synthetic: bool) -> None:
+    """data.packing / data.token_budget / data.token_budget_lr (LMDataModule checks them again)."""
+    packing, budget, rule = data.get("packing", False), data.get("token_budget"), data.get("token_budget_lr", "none")
+    if not isinstance(packing, bool):
+        raise ConfigError(f"data.packing={packing!r} is invalid; valid: true, false")
+    if budget is not None and (not _is_int(budget) or budget < data.seq_len):
+        raise ConfigError(f"data.token_budget must be null or an int >= data.seq_len={data.seq_len} "
+                          f"(tokens per rank per step), got {budget!r}")
+    rules = ("none", "linear", "sqrt")  # dsdebug.data.token_budget.LR_RULES (not imported: torch-free here)
+    if rule not in rules:
+        raise ConfigError(f"data.token_budget_lr={rule!r} is invalid; valid: {', '.join(rules)}")
+    if rule != "none" and budget is None:
+        raise ConfigError(f"data.token_budget_lr={rule} needs data.token_budget=<tokens>; "
+                          "valid: data.token_budget_lr=none, or set data.token_budget")
+    if (packing or budget is not None) and synthetic:
+        key = "data.packing=true" if packing else "data.token_budget"
+        raise ConfigError(f"{key}: a synthetic source has no documents to pack or batch by length; "
+                          "valid: data=kjv, data=text_files or data=hf_dataset (or leave it off)")
 
 
 # -- the model must fit the data: positions and vocabulary ---------------------------------

@@ -4,8 +4,10 @@ Token ids come from a byte-level BPE trained on the corpus (`vocab_size` tokens)
 `tokenizer` names one (a pretrained model's tokenizer directory or hub id), from that tokenizer;
 `vocab_size` then follows it (`pretrained_tokenizer.py`).
 
-Packing: every document's ids followed by EOS, concatenated, cut into `seq_len` blocks
-(no padding; a block may span documents). The split is contiguous by token position: the
+Blocks (default): every document's ids followed by EOS, concatenated, cut into `seq_len` blocks
+(no padding; a block may span documents). `packing=true`: whole documents instead, several per
+row, positions restarting per document, no attention across them (`document_rows.py`); batches
+then also carry `position_ids` and `doc_ids`. `token_budget=N`: train batches of about N tokens. The split is contiguous by token position: the
 last ~`val_fraction` of the blocks is validation, so no token is in both splits.
 Batches are ``{"input_ids": LongTensor[B, seq_len], "labels": same values}``; the model
 shifts the labels.
@@ -34,15 +36,22 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 
 from dsdebug.data.blocks import PackedBlocks, seed_worker
 from dsdebug.data.corpus import Corpus, SyntheticCorpus, resolve_path
+from dsdebug.data.document_rows import DocumentRows, trim_collate
 from dsdebug.data.resumable import (
     EpochShuffleSampler,
     ResumableDataLoader,
     ResumePosition,
     batches_consumed_in_epoch,
+)
+from dsdebug.data.token_budget import (
+    LR_RULES,
+    LightningTokenBudgetSampler,
+    TokenBudgetBatchSampler,
+    lr_for_tokens,
 )
 from dsdebug.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
 from dsdebug.errors import ConfigError
@@ -94,6 +103,15 @@ class LMDataModule(L.LightningDataModule):
             `setup` checks that the two agree with the trainer's world size and accumulation.
         tokenizer: a pretrained tokenizer (directory or hub id) to encode the corpus with
             instead of training a BPE; ignored for a synthetic source. Loaded at construction.
+        packing: whole documents (split at EOS), several per row, positions restarting per
+            document and a per-document attention mask (``DocumentRows``, ``packing.py``); false =
+            fixed blocks (a block may span documents). Not for a synthetic source (no documents).
+        token_budget: tokens per rank per step, or None: train batches of a variable number of
+            rows whose padded size stays within it (``token_budget.py``), on document rows (packed
+            with ``packing``, else one document per row); every rank runs the same number of steps.
+        token_budget_lr: none | linear | sqrt -- the LR rule per step for a token budget
+            (``lr_for_tokens``: lr x (tokens / reference)^1 or ^0.5, reference = token_budget x
+            world size x accumulation); applied by ``CausalLMModule``.
 
     After `setup` (at construction with `tokenizer`): `tokenizer` (a transformers tokenizer;
     None for synthetic), `pretrained` (`PretrainedTokenizer` or None),
@@ -115,6 +133,9 @@ class LMDataModule(L.LightningDataModule):
         max_tokens: int | None = None,
         global_batch_size: int | None = None,
         tokenizer: str | os.PathLike | None = None,
+        packing: bool = False,
+        token_budget: int | None = None,
+        token_budget_lr: str = "none",
     ):
         super().__init__()
         self.source = _as_source(source)
@@ -157,12 +178,29 @@ class LMDataModule(L.LightningDataModule):
         if global_batch_size is not None:
             global_batch_size = _check_int("global_batch_size", global_batch_size, 1, "a positive int or null")
         self.global_batch_size = global_batch_size
+        if not isinstance(packing, bool):
+            raise ConfigError(f"data.packing={packing!r} is invalid; valid: true, false")
+        if token_budget is not None:
+            token_budget = _check_int("token_budget", token_budget, self.seq_len,
+                                      f"null or an int >= data.seq_len={self.seq_len} (tokens per rank per step)")
+        if token_budget_lr not in LR_RULES:
+            raise ConfigError(f"data.token_budget_lr={token_budget_lr!r} is invalid; valid: {', '.join(LR_RULES)}")
+        if token_budget_lr != "none" and token_budget is None:
+            raise ConfigError(f"data.token_budget_lr={token_budget_lr} needs data.token_budget=<tokens>; "
+                              "valid: data.token_budget_lr=none, or set data.token_budget")
+        if (packing or token_budget is not None) and self.is_synthetic:
+            key = "data.packing=true" if packing else "data.token_budget"
+            raise ConfigError(f"{key}: a synthetic source has no documents to pack or batch by length; "
+                              "valid: data=kjv, data=text_files or data=hf_dataset (or leave it off)")
+        self.packing, self.token_budget, self.token_budget_lr = packing, token_budget, token_budget_lr
+        #: document rows (packing or token budget) instead of fixed blocks
+        self.by_document = packing or token_budget is not None
 
         self.tokenizer = None if self.pretrained is None else self.pretrained.tokenizer
         self.tokenizer_dir: str | None = None
         self.eos_token_id: int | None = None if self.pretrained is None else self.pretrained.eos_token_id
         self.pad_token_id: int | None = None if self.pretrained is None else self.pretrained.pad_token_id
-        self.train_dataset: PackedBlocks | None = None
+        self.train_dataset: PackedBlocks | DocumentRows | None = None
         self._position = ResumePosition()
         self.val_dataset: PackedBlocks | None = None
         self.num_tokens: int | None = None
@@ -206,6 +244,9 @@ class LMDataModule(L.LightningDataModule):
         n_train = n_blocks - n_val
         world = self.trainer.world_size if self.trainer is not None else 1
         self._check_global_batch(world)
+        if self.by_document:  # the same token split as the blocks: no token in both splits
+            self._setup_documents(tokens, n_train * self.seq_len, n_blocks * self.seq_len, world)
+            return
         if n_train < self.batch_size * world:
             ranks = f" x {world} ranks" if world > 1 else ""
             raise ConfigError(
@@ -223,9 +264,65 @@ class LMDataModule(L.LightningDataModule):
             f"blocks of {self.seq_len} (vocab {self.vocab_size}, cache {self.tokenizer_dir})"
         )
 
+    def _setup_documents(self, tokens: np.ndarray, split: int, end: int, world: int) -> None:
+        """Document rows for both splits (packing / token budget): whole documents, never spanning."""
+        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or 0)
+        rows = dict(eos_id=self.eos_token_id, seq_len=self.seq_len, pad_id=pad, packed=self.packing)
+        self.train_dataset = DocumentRows(tokens[:split], **rows)
+        self.val_dataset = DocumentRows(tokens[split:end], **rows)
+        n_train, n_val = len(self.train_dataset), len(self.val_dataset)
+        if self.token_budget is not None:
+            steps = len(TokenBudgetBatchSampler(self.train_dataset.lengths, self.token_budget, num_replicas=world))
+            too_small = steps < 1
+        else:
+            too_small = n_train < self.batch_size * world
+        if too_small or n_val < 1:
+            ranks = f" x {world} ranks" if world > 1 else ""
+            raise ConfigError(f"corpus too small: {n_train} train rows of data.seq_len={self.seq_len} for "
+                              f"data.batch_size={self.batch_size}{ranks} (data.token_budget={self.token_budget}); "
+                              "lower data.batch_size/data.seq_len or add text")
+        self.num_tokens = len(tokens)
+        self.num_train_tokens = sum(self.train_dataset.lengths)
+        self.num_val_tokens = sum(self.val_dataset.lengths)
+        pad_share = 1 - self.num_train_tokens / max(n_train * self.seq_len, 1)
+        how = "packed several per row" if self.packing else "one per row"
+        rank_zero_info(
+            f"data: {self.source!r}: {self.train_dataset.num_documents:,} train documents {how} -> {n_train:,} "
+            f"train / {n_val:,} val rows of {self.seq_len} ({pad_share:.1%} padding; positions restart per "
+            f"document, no attention across documents; vocab {self.vocab_size}, cache {self.tokenizer_dir})")
+        if self.token_budget is not None:
+            rule = {"none": "none (the LR is not scaled)", "linear": "linear (lr x tokens / reference)",
+                    "sqrt": "sqrt (lr x sqrt(tokens / reference))"}[self.token_budget_lr]
+            rank_zero_info(
+                f"data: token budget {self.token_budget} tokens per rank per step (batches of a variable number of "
+                f"rows); data.token_budget_lr={rule}, reference {self.reference_tokens_per_step} tokens per step")
+
+    @property
+    def reference_tokens_per_step(self) -> int | None:
+        """The tokens per optimizer step the LR was set for: token_budget x world size x accumulation."""
+        if self.token_budget is None:
+            return None
+        accum = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        return self.token_budget * self._world_size() * accum
+
+    def lr_scale_for(self, tokens: int) -> float:
+        """data.token_budget_lr: the factor on the scheduled LR for an optimizer step of ``tokens``
+        (non-padding, all ranks); 1.0 without a token budget or with the rule ``none``."""
+        reference = self.reference_tokens_per_step
+        return 1.0 if reference is None else lr_for_tokens(1.0, tokens, reference, self.token_budget_lr)
+
     def train_dataloader(self) -> DataLoader:
         # Order is a function of (seed, epoch) and resumes mid-epoch exactly (resumable.py).
         self._require_setup()
+        if self.token_budget is not None:
+            # Lightning replaces `sampler` by its DistributedSampler under DDP/DeepSpeed (rank, world)
+            batches = LightningTokenBudgetSampler(SequentialSampler(self.train_dataset), self.train_dataset.lengths,
+                                                  self.token_budget, seed=self.seed)
+            return ResumableDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=trim_collate,
+                                       num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                       persistent_workers=self.num_workers > 0,
+                                       worker_init_fn=seed_worker if self.num_workers > 0 else None,
+                                       position=self._position)
         sampler = EpochShuffleSampler(self.train_dataset, seed=self.seed)
         return self._loader(self.train_dataset, sampler=sampler, drop_last=True,
                             loader_cls=ResumableDataLoader, position=self._position)

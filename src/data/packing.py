@@ -17,17 +17,33 @@ DeepSeek nets already block attention across documents when given per-document `
 alone (HF detects packed sequences from positions that restart); the explicit 4-D mask does the same
 for a net that does not, and without either the probe moves the later documents' logits by ~10.
 
-Not wired into ``LMDataModule`` / ``CausalLMModule`` yet: this is the packing itself and its
-probe. Runs on one process; nothing here calls a collective.
+Wired by ``data.packing=true`` (``LMDataModule`` splits the token cache into documents at EOS and
+serves these rows; ``CausalLMModule`` passes ``position_ids`` and the mask) and checked by the
+``packing`` callback (``src/callbacks/packing.py``), which runs the probe through the module's own path. Runs on one process; nothing here calls a collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["pack_documents", "document_mask", "padding_fraction", "positions_not_reset", "cross_document_change"]
+from dsdebug.models.document_mask import document_mask  # the nets' input, kept with the models
+
+__all__ = ["split_documents", "pack_documents", "one_document_per_row", "document_mask", "padding_fraction",
+           "positions_not_reset", "cross_document_change"]
+
+
+def split_documents(tokens: Sequence[int], eos_id: int | None) -> list[list[int]]:
+    """A token stream whose documents each end in ``eos_id`` (how the token cache stores them) -> the
+    documents, each with its EOS (the model learns to end a document). No ``eos_id``: one document."""
+    ids = np.asarray(tokens)
+    if eos_id is None:
+        return [ids.tolist()] if len(ids) else []
+    ends = np.flatnonzero(ids == eos_id) + 1
+    return [d.tolist() for d in np.split(ids, ends) if len(d)]
 
 
 def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -36,16 +52,21 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0)
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     pieces = [list(d[i:i + seq_len]) for d in docs if len(d) for i in range(0, len(d), seq_len)]
     bins: list[list[list[int]]] = []
-    room: list[int] = []
-    for piece in sorted(pieces, key=len, reverse=True):  # first fit decreasing
-        for b, free in enumerate(room):
-            if len(piece) <= free:
-                bins[b].append(piece)
-                room[b] -= len(piece)
-                break
+    # first fit decreasing: a piece goes into the lowest-numbered bin with room for it. Bins are kept
+    # by free room (a min-heap of bin numbers per room value), so a piece looks at <= seq_len heaps
+    # instead of every bin: ~1 s for the whole KJV (~8k pieces) instead of minutes.
+    by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]
+    for piece in sorted(pieces, key=len, reverse=True):
+        need = len(piece)
+        fits = [(heap[0], free) for free, heap in enumerate(by_room[need:], start=need) if heap]
+        if fits:
+            b, free = min(fits)
+            heapq.heappop(by_room[free])
+            bins[b].append(piece)
         else:
+            b, free = len(bins), seq_len
             bins.append([piece])
-            room.append(seq_len - len(piece))
+        heapq.heappush(by_room[free - need], b)
     n = len(bins)
     input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), -100, dtype=torch.long)
@@ -64,16 +85,24 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0)
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]`` bool: query t may attend key s iff s <= t and both are in the same document
-    (padding attends to itself only, so no softmax row is empty)."""
-    t = doc_ids.size(-1)
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    pad = doc_ids < 0
-    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
-    mask = (causal & same & ~pad[:, :, None]) | (pad[:, :, None] & eye)
-    return mask[:, None]
+def one_document_per_row(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Every document (pieces of at most ``seq_len``) in a row of its own, padded at the end: the rows a
+    token-budget batch groups by length when documents are not packed. Same tensors as ``pack_documents``."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    pieces = [list(d[i:i + seq_len]) for d in docs if len(d) for i in range(0, len(d), seq_len)]
+    n = len(pieces)
+    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((n, seq_len), -100, dtype=torch.long)
+    position_ids = torch.zeros((n, seq_len), dtype=torch.long)
+    doc_ids = torch.full((n, seq_len), -1, dtype=torch.long)
+    for row, piece in enumerate(pieces):
+        span = slice(0, len(piece))
+        input_ids[row, span] = labels[row, span] = torch.tensor(piece)
+        labels[row, 0] = -100
+        position_ids[row, span] = torch.arange(len(piece))
+        doc_ids[row, span] = 0
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
 
 
 def padding_fraction(doc_ids: torch.Tensor) -> float:
@@ -97,23 +126,37 @@ def positions_not_reset(position_ids: torch.Tensor, doc_ids: torch.Tensor) -> li
 
 @torch.no_grad()
 def cross_document_change(net: torch.nn.Module, batch: dict[str, torch.Tensor], row: int, doc: int,
-                          use_mask: bool = True, reset_positions: bool = True, seed: int = 0) -> float:
+                          use_mask: bool = True, reset_positions: bool = True, seed: int = 0,
+                          forward: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,
+                          vocab_size: int | None = None, per_document: bool = False) -> float | dict[int, float]:
     """Max |change| of the logits of every OTHER document in ``row`` when document ``doc``'s tokens are
-    replaced by random ones. 0 = no attention across documents."""
+    replaced by random ones. 0 = no attention across documents. ``forward`` (a one-row batch -> logits)
+    replaces the net call: the packing check passes the training module's own path, so a module that
+    drops the mask is caught too. Two forwards, always (under ZeRO-3 a forward is a collective).
+    ``per_document``: {other document: its max |change|} instead of the max."""
     def logits(ids: torch.Tensor) -> torch.Tensor:
-        kwargs = {}
-        if use_mask:
-            kwargs["attention_mask"] = document_mask(batch["doc_ids"][row:row + 1])
-        if reset_positions:
-            kwargs["position_ids"] = batch["position_ids"][row:row + 1]
-        out = net(input_ids=ids, **kwargs)
+        if forward is not None:
+            one = {k: v[row:row + 1] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            out = forward({**one, "input_ids": ids})
+        else:
+            kwargs = {}
+            if use_mask:
+                kwargs["attention_mask"] = document_mask(batch["doc_ids"][row:row + 1])
+            if reset_positions:
+                kwargs["position_ids"] = batch["position_ids"][row:row + 1]
+            out = net(input_ids=ids, **kwargs)
         return (out.logits if hasattr(out, "logits") else out).float()
 
     ids = batch["input_ids"][row:row + 1]
     where = batch["doc_ids"][row] == doc
     changed = ids.clone()
-    vocab = int(ids.max()) + 1
+    vocab = vocab_size or int(ids.max()) + 1
     g = torch.Generator().manual_seed(seed)
-    changed[0, where] = (ids[0, where] + 1 + torch.randint(0, max(vocab - 1, 1), (int(where.sum()),), generator=g)) % vocab
+    shift = 1 + torch.randint(0, max(vocab - 1, 1), (int(where.sum()),), generator=g).to(ids.device)
+    changed[0, where] = (ids[0, where] + shift) % vocab
     others = (batch["doc_ids"][row] != doc) & (batch["doc_ids"][row] >= 0)
-    return float((logits(ids)[0, others] - logits(changed)[0, others]).abs().max())
+    change = (logits(ids)[0] - logits(changed)[0]).abs().amax(dim=-1)  # the same two forwards on every rank
+    if per_document:
+        docs = batch["doc_ids"][row]
+        return {d: float(change[docs == d].max()) for d in docs[others].unique().tolist()}
+    return float(change[others].max()) if bool(others.any()) else 0.0

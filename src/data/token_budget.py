@@ -12,8 +12,13 @@ same number of steps (a rank with one step more would wait in the gradient all-r
 The LR rule it implies (``lr_for_tokens``): the loss is a mean over a step's tokens, so a step with
 fewer tokens has a noisier gradient of the same scale. The linear scaling rule scales the LR by
 ``tokens / reference_tokens`` (DeepSpeed's ``VariableBatchSizeLR`` does this with the batch size);
-``sqrt`` is the rule usually taken for Adam; ``none`` keeps it. Not wired into ``LMDataModule`` yet
-Nothing here calls a collective.
+``sqrt`` is the rule usually taken for Adam; ``none`` keeps it. Nothing here calls a collective.
+
+Wired by ``data.token_budget=<tokens per rank per step>`` (``LMDataModule``): the train loader takes
+``LightningTokenBudgetSampler``, a ``BatchSampler`` whose ``sampler`` argument Lightning replaces with its
+``DistributedSampler`` under DDP/DeepSpeed -- the rank and world size are read from it (Lightning cannot
+inject a sampler into any other kind of batch sampler). ``data.token_budget_lr`` applies ``lr_for_tokens``
+per optimizer step in ``CausalLMModule``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
-__all__ = ["TokenBudgetBatchSampler", "lr_for_tokens"]
+__all__ = ["TokenBudgetBatchSampler", "LightningTokenBudgetSampler", "lr_for_tokens", "LR_RULES"]
+
+LR_RULES = ("none", "linear", "sqrt")
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -81,3 +88,25 @@ def lr_for_tokens(base_lr: float, tokens: int, reference_tokens: int, rule: str 
     if rule == "sqrt":
         return base_lr * math.sqrt(ratio)
     raise ValueError(f"rule={rule!r} is invalid; valid: linear, sqrt, none")
+
+
+class LightningTokenBudgetSampler(BatchSampler):
+    """``TokenBudgetBatchSampler`` in the form Lightning re-creates per rank: it passes its
+    ``DistributedSampler`` as ``sampler`` and this reads ``rank``/``num_replicas`` from it (any other
+    sampler: one process). ``batch_size``/``drop_last`` exist for Lightning's introspection only."""
+
+    def __init__(self, sampler: Sampler, lengths: Sequence[int], max_tokens: int, seed: int = 0,
+                 batch_size: int = 1, drop_last: bool = False) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        rank, world = (sampler.rank, sampler.num_replicas) if isinstance(sampler, DistributedSampler) else (0, 1)
+        self.lengths, self.max_tokens, self.seed = lengths, max_tokens, seed
+        self.budget = TokenBudgetBatchSampler(lengths, max_tokens, num_replicas=world, rank=rank, seed=seed)
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it on the loader's batch_sampler
+        self.budget.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.budget)
+
+    def __len__(self) -> int:
+        return len(self.budget)

@@ -37,6 +37,7 @@ Logged metrics:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any, Callable
@@ -45,6 +46,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from dsdebug.models.document_mask import document_mask
 from dsdebug.models.grad_ckpt import checkpointing_mode, enable_gradient_checkpointing
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
 from dsdebug.models.optim import param_groups
@@ -86,6 +88,13 @@ class CausalLMModule(L.LightningModule):
         self.val_loss_at_start: float | None = None
         self._val_losses: list[torch.Tensor] = []
         self.skip_optimizer_step = False  # set by a check with on_error=skip (src/callbacks/base.py)
+        # document rows (data.packing / data.token_budget): what the net's forward takes, the tokens of the
+        # optimizer step being accumulated (all ranks), the last step's, and the LR rule (token budget)
+        self._takes: frozenset[str] | None = None
+        self._global_loss: torch.Tensor | None = None
+        self.step_tokens = 0
+        self.last_step_tokens: int | None = None
+        self.last_lr_scale: float | None = None
         self._skip_undo: Callable[[], None] | None = None
 
     @property
@@ -101,26 +110,70 @@ class CausalLMModule(L.LightningModule):
         out = self.net(input_ids=input_ids)
         return out.logits if hasattr(out, "logits") else out
 
+    def net_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the net is called with. Document rows (``data.packing``/``data.token_budget``: the batch
+        has ``doc_ids``) add ``position_ids`` (restarting per document) and the 4-D document mask (causal
+        within a document only), each only if the net's forward takes it (said once in the log; the
+        packing check's probe measures whether documents still see each other)."""
+        inputs = {"input_ids": batch["input_ids"]}
+        if "doc_ids" not in batch:
+            return inputs
+        takes = self._net_takes()
+        if "position_ids" in takes:
+            inputs["position_ids"] = batch["position_ids"]
+        if "attention_mask" in takes:
+            inputs["attention_mask"] = document_mask(batch["doc_ids"])
+        return inputs
+
+    def _net_takes(self) -> frozenset[str]:
+        if self._takes is None:
+            params = inspect.signature(self.net.forward).parameters.values()
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+                self._takes = frozenset({"position_ids", "attention_mask"})
+            else:
+                self._takes = frozenset({"position_ids", "attention_mask"} & {p.name for p in params})
+            missing = sorted({"position_ids", "attention_mask"} - self._takes)
+            if missing:
+                log.warning("document rows: %s.forward takes no %s; documents stay apart only if the net mixes no "
+                            "tokens across positions (the packing check's probe measures it)",
+                            type(self.net).__name__, " / ".join(missing))
+        return self._takes
+
     def _losses(self, batch: dict[str, torch.Tensor], training: bool = False) -> tuple[torch.Tensor, MoEStep | None]:
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
         # no labels to the net: HF MoE models would add their own coef * aux to out.loss
-        out = self.net(input_ids=input_ids, **self.moe.forward_kwargs(training))
+        out = self.net(**self.net_inputs(batch), **self.moe.forward_kwargs(training))
         logits = out.logits if hasattr(out, "logits") else out
         moe = self.moe.measure(out, training)
         # next-token prediction: position t predicts token t+1; fp32 softmax for stability
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-            labels[:, 1:].reshape(-1),
-            ignore_index=-100,
-        )
+        flat_logits, targets = logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1)
+        if training and "doc_ids" in batch:
+            return self._global_token_mean(flat_logits, targets, batch["doc_ids"]), moe
+        loss = F.cross_entropy(flat_logits, targets, ignore_index=-100)
         return loss, moe
+
+    def _global_token_mean(self, logits: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Document rows carry a different number of counted tokens on each rank (padding, token budget):
+        the step's loss is (sum of token losses) / (tokens counted on ALL ranks), not a mean of the ranks'
+        means. EVERY rank, every training step: ONE all-reduce of 3 numbers (sum, counted, non-padding).
+        The gradient averaging over ranks (DDP, DeepSpeed) divides by the world size: x world undoes it.
+        Logged train/loss: the global mean. With accumulation each micro-batch is its own mean."""
+        total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        counted = (targets != -100).sum()
+        local = torch.stack([total.detach(), counted.to(total.dtype), (doc_ids >= 0).sum().to(total.dtype)])
+        world = self.trainer.world_size if self._trainer is not None else 1
+        glob = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local
+        self.step_tokens += int(glob[2])
+        self._global_loss = glob[0] / glob[1].clamp(min=1)
+        return total * world / glob[1].clamp(min=1)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, moe = self._losses(batch, training=True)
         aux = moe.aux if moe is not None else None
         total = loss if aux is None or self.moe.coef <= 0 else loss + self.moe.coef * aux.to(loss.device)
-        self.log("train/loss", loss.detach(), on_step=True, prog_bar=True)
+        shown = self._global_loss if "doc_ids" in batch else loss.detach()  # document rows: the global mean
+        self.log("train/loss", shown, on_step=True, prog_bar=True)
         if aux is not None:
             self.log("train/aux_loss", aux.detach(), on_step=True)
             self.log("train/loss_total", total.detach(), on_step=True)
@@ -158,17 +211,34 @@ class CausalLMModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         # Lightning calls this after every callback's on_before_optimizer_step and before
         # clipping and the update (inside optimizer.step): the last point where a skip can act.
+        pending = self.__dict__.pop("_pending_lr_scale", None)
+        if pending is not None:
+            pending.apply()  # data.token_budget_lr: this step's tokens are counted by now
         if self.skip_optimizer_step and self._skip_undo is None:
             self._skip_undo = _arm_skip(self.trainer, optimizer)  # None: not at DeepSpeed's boundary yet
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        scaled = self._scale_lr_for_tokens(optimizer)  # the step's tokens are known only inside the closure
         try:
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
+            for group, lr in scaled:
+                group["lr"] = lr  # the schedule's value back: the rule scales one step, never the schedule
+            if self.step_tokens:
+                self.last_step_tokens, self.step_tokens = self.step_tokens, 0
             if self._skip_undo is not None:
                 undo, self._skip_undo = self._skip_undo, None
                 undo()
                 self.skip_optimizer_step = False
+
+    def _scale_lr_for_tokens(self, optimizer: Any) -> list[tuple[dict, float]]:
+        """data.token_budget_lr=linear|sqrt: wrap the closure so that, once this step's forward/backward
+        have counted its tokens (all ranks), every group's LR is scaled by lr_for_tokens before the
+        update. Returns the (group, scheduled lr) pairs to put back."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if getattr(dm, "token_budget_lr", "none") == "none" or not hasattr(dm, "lr_scale_for"):
+            return []
+        return _TokenLRScale(self, optimizer, dm.lr_scale_for).groups
 
     # ---- optimizers -----------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -189,6 +259,28 @@ class CausalLMModule(L.LightningModule):
         total = self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else 1000
         return self.scheduler_factory(optimizer, total_steps=total)
+
+
+class _TokenLRScale:
+    """Scales each param group's LR by the data's rule (``LMDataModule.lr_scale_for``) for one step. The
+    tokens are counted in training_step, which runs inside the optimizer closure, so the scaling happens
+    in a hook on the LightningModule's ``on_before_optimizer_step`` path: after backward, before the
+    update (also at DeepSpeed's accumulation boundary)."""
+
+    def __init__(self, module: CausalLMModule, optimizer: Any, scale_for: Callable[[int], float]) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.groups = [(g, g["lr"]) for g in inner.param_groups]
+        self.module, self.scale_for = module, scale_for
+        module._pending_lr_scale = self
+
+    def apply(self) -> None:
+        tokens = self.module.step_tokens
+        if not tokens:
+            return
+        scale = self.scale_for(tokens)
+        for group, lr in self.groups:
+            group["lr"] = lr * scale
+        self.module.last_lr_scale = scale
 
 
 def _as_cpu_adam(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:

@@ -1,0 +1,50 @@
+"""The packing check (src/callbacks/packing.py) on real 1-process runs of a small DeepSeek-V3 over packed
+short documents (paragraphs of CPython's pydoc topics, ~30 tokens each: every 128-token row holds
+several). Healthy: silent, and its probe did run on rows of several documents with a change of ~0.
+Each planted bug (tests/planted/packing.py) is named by its own code and no other error."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.findings import of, one, read_findings
+from tests.helpers.runs import SMALL_DEEPSEEK, SMOKE, train_in_process
+from tests.helpers.short_documents import short_documents_data, write_short_documents
+
+
+@pytest.fixture(scope="module")
+def short_corpus(tmp_path_factory):
+    return write_short_documents(tmp_path_factory.mktemp("corpus") / "paragraphs.jsonl")
+
+
+def _run(tmp_path, cache, corpus, *extra):
+    overrides = SMOKE + SMALL_DEEPSEEK + short_documents_data(corpus) + [
+        "data.packing=true", "+callbacks=packing", "callbacks.packing.every_n_steps=1", "trainer.max_steps=2",
+        "trainer.limit_val_batches=1", "export.fp32=false", "export.hf=false", *extra]
+    m = train_in_process(overrides, tmp_path / "run", cache)
+    assert m["status"] == "completed" and m["global_step"] == 2
+    return read_findings(tmp_path / "run", "packing")
+
+
+def test_a_healthy_packed_run_is_silent_and_its_probe_ran(tmp_path, shared_cache, short_corpus):
+    findings = _run(tmp_path, shared_cache, short_corpus)
+    assert of(findings, "packing") == []
+    summary = one(findings, "packing_summary")["details"]
+    assert summary["probes"] == 2 and summary["leak_probes"] == 2  # rows of several documents were probed
+    assert summary["leak_max"] < 1e-3 and summary["padding_max"] < 0.25
+    assert summary["tokens_min"] > 0
+
+
+@pytest.mark.parametrize("override, code, culprit", [
+    ("data._target_=tests.planted.packing.PositionsRunOn", "positions_not_reset", "starts at a position other than 0"),
+    ("data._target_=tests.planted.packing.LabelsCrossDocuments", "labels_cross_documents",
+     "last token is trained to predict document"),
+    ("model._target_=tests.planted.packing.MaskDroppedLM", "cross_document_attention", "moved document"),
+])
+def test_each_planted_bug_is_named_by_its_own_code(tmp_path, shared_cache, short_corpus, override, code, culprit):
+    findings = _run(tmp_path, shared_cache, short_corpus, override)
+    errors = of(findings, "packing", severities=("error",))
+    assert {f["code"] for f in errors} == {code}, errors
+    first = errors[0]
+    assert first["rank"] == 0 and culprit in first["message"] and "batch row" in first["message"]
+    assert first["details"]["row"] >= 0
