@@ -2,17 +2,19 @@
 run's real model, data and strategy before it trains (``python train.py <overrides> doctor=true``).
 
 One probe per module; each works on a plain ``nn.Module`` + batch (or a ``TorchStepper``) without
-Hydra or Lightning, and ``DoctorCallback`` runs them all inside a Lightning fit:
+Hydra or Lightning, and ``DoctorCallback`` runs them all inside a Lightning fit. The probes that need
+only a net and a batch live in ``dsdebug.probes`` (a layer below the checks, which run the cheap
+ones at the start of ``debug=light``); the ones that step through the strategy live here:
 
 | probe | module | function |
 |---|---|---|
-| loss at initialisation vs ln(vocab) | ``init_loss`` | ``init_loss(net, batch)`` |
-| causality (net and labels) | ``causality`` | ``causality(net, batch)`` |
-| sample independence | ``sample_independence`` | ``sample_independence(net, batch)`` |
-| train/eval consistency | ``train_eval`` | ``train_eval(net, batch)`` |
+| loss at initialisation vs ln(vocab) | ``probes.init_loss`` | ``init_loss(net, batch)`` |
+| causality (net and labels) | ``probes.causality`` | ``causality(net, batch)`` |
+| sample independence | ``probes.sample_independence`` | ``sample_independence(net, batch)`` |
+| train/eval consistency | ``probes.train_eval`` | ``train_eval(net, batch)`` |
 | optimizer coverage and gradient flow | ``coverage`` | ``coverage(stepper, batch)`` |
 | overfit one batch | ``overfit`` | ``overfit(stepper, batch)`` |
-| the run's plan | ``plan`` | ``run_plan(...)``, ``lr_curve(...)`` |
+| the run's plan | ``probes.plan`` | ``run_plan(...)``, ``lr_curve(...)`` |
 | collectives | ``collectives`` | ``collectives()`` |
 | memory forecast | ``memory`` | ``forecast(...)`` |
 | checkpoint round trip | ``checkpoint`` | ``checkpoint_round_trip(stepper, batch, path)`` |
@@ -30,14 +32,15 @@ __all__ = ["DoctorCallback", "ProbeResult", "TorchStepper", "StrategyStepper", "
            "sample_independence", "train_eval", "coverage", "overfit", "run_plan", "lr_curve", "collectives",
            "forecast", "checkpoint_round_trip"]
 
-_WHERE = {"DoctorCallback": "callback", "ProbeResult": "result", "TorchStepper": "stepper",
-          "StrategyStepper": "stepper", "init_loss": "init_loss", "causality": "causality",
-          "sample_independence": "sample_independence", "train_eval": "train_eval", "coverage": "coverage",
-          "overfit": "overfit", "run_plan": "plan", "lr_curve": "plan", "collectives": "collectives",
-          "forecast": "memory", "checkpoint_round_trip": "checkpoint"}
+_WHERE = {"DoctorCallback": "doctor.callback", "ProbeResult": "probes.result", "TorchStepper": "doctor.stepper",
+          "StrategyStepper": "doctor.stepper", "init_loss": "probes.init_loss", "causality": "probes.causality",
+          "sample_independence": "probes.sample_independence", "train_eval": "probes.train_eval",
+          "coverage": "doctor.coverage", "overfit": "doctor.overfit", "run_plan": "probes.plan",
+          "lr_curve": "probes.plan", "collectives": "doctor.collectives", "forecast": "doctor.memory",
+          "checkpoint_round_trip": "doctor.checkpoint"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        return getattr(importlib.import_module(f"dsdebug.doctor.{_WHERE[name]}"), name)
+        return getattr(importlib.import_module(f"dsdebug.{_WHERE[name]}"), name)
     raise AttributeError(name)

@@ -21,7 +21,9 @@ Probes, in order (docs/debugging.md "Preflight doctor"):
 | checkpoint (+ overfit between save and load) | the strategy's save/load and steps (COLLECTIVE) | ``doctor/checkpoint``, ``doctor/overfit`` |
 
 Severity: fail -> error, warn -> warning, pass/skip -> info. Every rank runs every probe in the same
-order (the collective ones included); a probe that raises becomes a fail naming the exception.
+order (the collective ones included); a local probe that raises becomes a fail naming the exception; a
+collective one (collectives, coverage, checkpoint, the ZeRO-3 gather) is logged and raised: a rank that left it
+half-way would hang the others.
 """
 
 from __future__ import annotations
@@ -38,18 +40,19 @@ from typing import Any, Callable
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.doctor.causality import causality
+from dsdebug.probes.causality import causality
 from dsdebug.doctor.checkpoint import checkpoint_round_trip
 from dsdebug.doctor.collectives import collectives
 from dsdebug.doctor.coverage import coverage
-from dsdebug.doctor.init_loss import init_loss
+from dsdebug.probes.init_loss import init_loss
 from dsdebug.doctor.memory import device_bytes, forecast, model_states
 from dsdebug.doctor.overfit import overfit
-from dsdebug.doctor.plan import lr_curve, run_plan
-from dsdebug.doctor.result import ProbeResult, timed
-from dsdebug.doctor.sample_independence import sample_independence
+from dsdebug.probes.plan import plan_of_run
+from dsdebug.probes.ranks import gather, merge
+from dsdebug.probes.result import ProbeResult, timed
+from dsdebug.probes.sample_independence import sample_independence
 from dsdebug.doctor.stepper import StrategyStepper
-from dsdebug.doctor.train_eval import train_eval, without_dropout
+from dsdebug.probes.train_eval import train_eval, without_dropout
 
 __all__ = ["DoctorCallback", "ORDER"]
 
@@ -58,7 +61,6 @@ log = logging.getLogger(__name__)
 ORDER = ("collectives", "init_loss", "causality", "sample_independence", "train_eval", "coverage", "plan", "memory",
          "overfit", "checkpoint")
 _SEVERITY = {"fail": "error", "warn": "warning", "pass": "info", "skip": "info"}
-_RANK_ORDER = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
 
 
 class DoctorCallback(DebugCallback):
@@ -85,7 +87,7 @@ class DoctorCallback(DebugCallback):
     # ---- the fit hook ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         mine = self.run_probes(trainer, pl_module)  # every rank
-        self.results = _merge(_gather(mine), trainer.world_size)  # COLLECTIVE
+        self.results = merge(gather(mine), trainer.world_size)  # COLLECTIVE
         for r in self.results:  # decided alike on every rank; rank 0 writes
             if trainer.global_rank == 0:
                 self.report(trainer, _SEVERITY[r.status], r.probe, _line(r), r.advice if r.status in ("fail", "warn")
@@ -100,8 +102,8 @@ class DoctorCallback(DebugCallback):
         """Every probe, in ORDER, on this rank. COLLECTIVE (every rank, same order)."""
         stepper = StrategyStepper(trainer, pl_module)
         batch = self._batch(trainer)
-        out: list[ProbeResult] = [_guard("collectives", collectives)]
-        net = _guard_value(lambda: self._local_net(pl_module, stepper))  # COLLECTIVE under ZeRO-3
+        out: list[ProbeResult] = [_guard("collectives", collectives, collective=True)]
+        net = _guard_value(lambda: self._local_net(pl_module, stepper), collective=stepper.stage == 3)  # COLLECTIVE under ZeRO-3
         shifts = bool(getattr(pl_module, "shifts_labels", True))
         for name, fn in (("init_loss", lambda: init_loss(net, batch, pretrained=self.pretrained)),
                          ("causality", lambda: causality(net, batch, shifts_labels=shifts)),
@@ -110,7 +112,7 @@ class DoctorCallback(DebugCallback):
             out.append(ProbeResult(name, "skip", "no local copy of the net (ZeRO-3 without a net factory)")
                        if net is None else _guard(name, fn))
         net = None  # the local copy is not needed past these probes
-        cov, info = _guard_pair("coverage", lambda: coverage(stepper, batch))
+        cov, info = _guard_pair("coverage", lambda: coverage(stepper, batch), collective=True)
         out.append(cov)
         out.append(_guard("plan", lambda: self._plan(trainer, pl_module, stepper, batch, info)))
         out.append(_guard("memory", lambda: self._memory(trainer, pl_module, stepper)))
@@ -131,7 +133,7 @@ class DoctorCallback(DebugCallback):
             return losses
 
         ck, _ = _guard_pair("checkpoint", lambda: checkpoint_round_trip(stepper, batch, str(ckpt_dir / "roundtrip.ckpt"),
-                                                                        train=train))
+                                                                        train=train), collective=True)
         out.append(holder.get("overfit") or ProbeResult("overfit", "fail", "did not run: the checkpoint probe "
                                                         "failed before it", "checkpoint"))
         if "overfit" in holder:
@@ -177,21 +179,13 @@ class DoctorCallback(DebugCallback):
         return without_dropout(fresh.to(pl_module.device))
 
     def _plan(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, batch: dict, info: Any) -> ProbeResult:
-        opt = trainer.optimizers[0]
-        group = opt.param_groups[0]
+        group = trainer.optimizers[0].param_groups[0]
         lr = float(group.get("initial_lr", group["lr"]))
         total = trainer.estimated_stepping_batches
         total = int(total) if total != float("inf") else int(trainer.max_steps if trainer.max_steps > 0 else 1000)
-        factory = getattr(pl_module, "scheduler_factory", None)
-        make = (lambda o: factory(o, total_steps=total)) if factory is not None else None
-        lrs = lr_curve(make, lr, total)
-        loader = getattr(self, "_loader", None)
-        dataset = len(loader.dataset) if loader is not None and hasattr(loader.dataset, "__len__") else None
-        per_step = int(batch["input_ids"].shape[0]) * trainer.accumulate_grad_batches * trainer.world_size
-        labels = batch.get("labels", batch["input_ids"])[:, 1:]
-        fraction = float((labels != -100).float().mean()) if labels.numel() else None
-        return run_plan(lrs, lr, total, stepper.gradient_clip(), info.grad_norm if info is not None else None,
-                        dataset, per_step, fraction, self._adjustments(trainer, pl_module, stepper, lr, total, batch))
+        return plan_of_run(trainer, pl_module, batch, getattr(self, "_loader", None), stepper.gradient_clip(),
+                           info.grad_norm if info is not None else None,
+                           self._adjustments(trainer, pl_module, stepper, lr, total, batch))
 
     def _adjustments(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, lr: float, total: int,
                      batch: dict) -> list[tuple[str, str]]:
@@ -238,16 +232,23 @@ class DoctorCallback(DebugCallback):
 
 # ---- helpers: guarded probes, gathering ranks ----------------------------------------
 
-def _guard(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
+def _guard(name: str, fn: Callable[[], ProbeResult], collective: bool = False) -> ProbeResult:
+    """A probe that raises is a failed probe, not a crashed doctor -- unless it is ``collective``: a rank
+    that left a collective probe half-way would leave the others waiting in it (a hang), so the error is
+    logged with the probe's name and raised (the run would hit it in its first step too)."""
     try:
         return timed(fn)
-    except Exception as e:  # noqa: BLE001 - a probe that crashes is a failed probe, not a crashed doctor
+    except Exception as e:  # noqa: BLE001
+        if collective:
+            log.error("doctor: the %s probe raised %s on this rank; stopping (the other ranks are inside the same "
+                      "collective probe)", name, type(e).__name__)
+            raise
         log.debug("doctor probe %s raised", name, exc_info=True)
         return ProbeResult(name, "fail", f"the probe raised {type(e).__name__}: {' '.join(str(e).split())[:300]}",
                            "<probe>", "fix the error above (it happens in the first step of a run too)")
 
 
-def _guard_pair(name: str, fn: Callable[[], tuple]) -> tuple[ProbeResult, Any]:
+def _guard_pair(name: str, fn: Callable[[], tuple], collective: bool = False) -> tuple[ProbeResult, Any]:
     holder: list = []
 
     def run() -> ProbeResult:
@@ -255,41 +256,18 @@ def _guard_pair(name: str, fn: Callable[[], tuple]) -> tuple[ProbeResult, Any]:
         holder.append(extra)
         return result
 
-    result = _guard(name, run)
+    result = _guard(name, run, collective)
     return result, (holder[0] if holder else None)
 
 
-def _guard_value(fn: Callable[[], Any]) -> Any:
+def _guard_value(fn: Callable[[], Any], collective: bool = False) -> Any:
     try:
         return fn()
     except Exception:  # noqa: BLE001
+        if collective:
+            raise
         log.warning("doctor: could not copy the net for the local probes", exc_info=True)
         return None
-
-
-def _gather(results: list[ProbeResult]) -> list[list[ProbeResult]]:
-    """Every rank's results, on every rank. COLLECTIVE (one process: just its own)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [results]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, results)
-    return out
-
-
-def _merge(per_rank: list[list[ProbeResult]], world: int) -> list[ProbeResult]:
-    """One result per probe: the worst over ranks, naming the rank when the ranks disagree."""
-    merged = []
-    for i, first in enumerate(per_rank[0]):
-        candidates = [(r, results[i]) for r, results in enumerate(per_rank) if i < len(results)]
-        rank, worst = min(candidates, key=lambda c: _RANK_ORDER[c[1].status])
-        if len({c[1].status for c in candidates}) > 1 and world > 1:
-            worst.details["rank"] = rank
-            worst.message = f"rank {rank}: {worst.message}"
-        worst.seconds = max(c[1].seconds for c in candidates)
-        merged.append(worst)
-    return merged
 
 
 def _line(r: ProbeResult) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
 __all__ = ["checkpoint_round_trip"]
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
 __all__ = ["collectives"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
 __all__ = ["forecast", "device_bytes"]
 

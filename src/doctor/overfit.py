@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
 __all__ = ["overfit", "explain"]
 

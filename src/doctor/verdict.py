@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
 __all__ = ["print_verdict", "summary_line"]
 

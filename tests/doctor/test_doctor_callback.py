@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dsdebug.doctor import DoctorCallback
-from dsdebug.doctor.batch import lm_loss
+from dsdebug.probes.batch import lm_loss
 from dsdebug.doctor.callback import ORDER
 from tests.planted import doctor_nets as planted
 
@@ -54,3 +54,19 @@ def test_a_frozen_embedding_left_out_of_the_checkpoint_is_named(tmp_path):
     doctor = _fit(planted.DropsFrozenFromStateDict(vocab_size=V), tmp_path)
     result = {r.probe: r for r in doctor.results}["checkpoint"]
     assert result.status == "fail" and result.culprit == "embed.weight", result
+
+
+def test_a_local_probe_that_raises_fails_and_a_collective_one_is_raised():
+    """A rank leaving a collective probe half-way would leave the others waiting in it: raised, not
+    turned into a result (a local probe's error is a failed probe)."""
+    import pytest
+
+    from dsdebug.doctor.callback import _guard
+
+    def boom():
+        raise RuntimeError("planted")
+
+    local = _guard("causality", boom)
+    assert local.status == "fail" and "RuntimeError: planted" in local.message
+    with pytest.raises(RuntimeError, match="planted"):
+        _guard("coverage", boom, collective=True)

@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from dsdebug.doctor.batch import lm_loss
-from dsdebug.doctor.causality import causality
+from dsdebug.probes.batch import lm_loss
+from dsdebug.probes.causality import causality
 from dsdebug.doctor.checkpoint import checkpoint_round_trip
 from dsdebug.doctor.coverage import coverage
-from dsdebug.doctor.init_loss import init_loss
+from dsdebug.probes.init_loss import init_loss
 from dsdebug.doctor.memory import forecast
 from dsdebug.doctor.overfit import overfit
-from dsdebug.doctor.plan import lr_curve, run_plan
-from dsdebug.doctor.sample_independence import sample_independence
+from dsdebug.probes.plan import lr_curve, run_plan
+from dsdebug.probes.sample_independence import sample_independence
 from dsdebug.doctor.stepper import TorchStepper
-from dsdebug.doctor.train_eval import train_eval
+from dsdebug.probes.train_eval import train_eval
 from tests.planted import doctor_nets as planted
 
 V = 64
@@ -79,7 +79,8 @@ def test_init_loss_far_below_means_the_model_sees_its_targets():
 
 # ---- causality: missing mask, look-ahead module, labels leak ----------------------------
 
-@pytest.mark.parametrize("cls, culprit", [(planted.NoMaskLM, "attn"), (planted.LookAheadLM, "mix")])
+@pytest.mark.parametrize("cls, culprit", [(planted.NoMaskLM, "attn"), (planted.LookAheadLM, "mix"),
+                                          (planted.SequenceContextLM, "mix")])
 def test_causality_names_the_first_module_that_sees_the_future(cls, culprit):
     result = causality(_net(cls), _batch())
     assert result.status == "fail", result
@@ -96,7 +97,7 @@ def test_causality_catches_labels_that_leak_the_answer():
 
 # ---- sample independence: BatchNorm over the batch, a view mixing batch and sequence ----
 
-@pytest.mark.parametrize("cls", [planted.BatchNormLM, planted.ViewMixLM])
+@pytest.mark.parametrize("cls", [planted.BatchNormLM, planted.ViewMixLM, planted.BatchCenterLM])
 def test_sample_independence_names_the_mixing_module(cls):
     result = sample_independence(_net(cls), _batch())
     assert result.status == "fail", result

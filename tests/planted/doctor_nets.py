@@ -75,6 +75,38 @@ class LookAheadLM(TinyCausalLM):
         self.mix = LookAhead()
 
 
+class SequenceContext(nn.Module):
+    """Adds the mean over the whole sequence to every position (a 'global context' vector): each
+    position sees the average of the future too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean(dim=1, keepdim=True)
+
+
+class SequenceContextLM(TinyCausalLM):
+    """Causality broken by a sequence mean (not attention, not a shift): culprit ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = SequenceContext()
+
+
+class BatchCenter(nn.Module):
+    """Subtracts the batch mean (a 'centering' written over dim 0): samples depend on each other in
+    train and eval mode alike."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0, keepdim=True)
+
+
+class BatchCenterLM(TinyCausalLM):
+    """Sample independence broken without batch norm or a reshape: culprit ``mix``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mix = BatchCenter()
+
+
 class TokenBatchNorm(nn.Module):
     """BatchNorm over every token of the batch (statistics shared by all samples in train mode)."""
 

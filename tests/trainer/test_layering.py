@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.helpers.runs import REPO
 
-LAYERS = ["errors", "findings", "report", "models", "data", "distributed", "config", "checkpoint", "callbacks", "trainer",
+LAYERS = ["errors", "findings", "report", "models", "data", "distributed", "config", "checkpoint", "probes", "callbacks", "trainer",
           "doctor", "train"]
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from dsdebug.doctor.result import ProbeResult
+from dsdebug.probes.result import ProbeResult
 
-__all__ = ["run_plan", "lr_curve"]
+__all__ = ["run_plan", "lr_curve", "plan_of_run"]
 
 NAME = "plan"
 
@@ -114,3 +114,28 @@ def run_plan(lrs: list[float], lr: float, total_steps: int, clip: float | None, 
 
 def epochs_of(total_steps: int, samples_per_step: int, dataset_samples: int) -> float:
     return total_steps * samples_per_step / dataset_samples if dataset_samples else math.inf
+
+
+def plan_of_run(trainer: Any, pl_module: Any, batch: dict, loader: Any = None, clip: float | None = None,
+                grad_norm: float | None = None, adjustments: list[tuple[str, str]] = ()) -> ProbeResult:
+    """``run_plan`` with what a Lightning run holds: the LR of its first optimizer, its scheduler factory
+    (``pl_module.scheduler_factory(opt, total_steps=)``), the optimizer steps it will take, the dataset
+    behind ``loader`` (default: the train loader Lightning holds) and ``batch`` (a train batch of this
+    rank: its size, the fraction of labels that count). Local: no collective."""
+    group = trainer.optimizers[0].param_groups[0]
+    lr = float(group.get("initial_lr", group["lr"]))
+    total = trainer.estimated_stepping_batches
+    total = int(total) if total != float("inf") else int(trainer.max_steps if trainer.max_steps > 0 else 1000)
+    factory = getattr(pl_module, "scheduler_factory", None)
+    make = (lambda o: factory(o, total_steps=total)) if factory is not None else None
+    lrs = lr_curve(make, lr, total)
+    if loader is None:
+        loader = getattr(trainer, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+    ids = batch["input_ids"]
+    per_step = int(ids.shape[0]) * int(trainer.accumulate_grad_batches) * int(trainer.world_size)
+    labels = batch.get("labels", ids)[:, 1:]
+    fraction = float((labels != -100).float().mean()) if labels.numel() else None
+    return run_plan(lrs, lr, total, clip, grad_norm, size, per_step, fraction, list(adjustments))
+

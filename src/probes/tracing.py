@@ -42,16 +42,20 @@ def logits_of(output: Any) -> torch.Tensor:
 
 class ModuleTrace:
     """``with ModuleTrace(net) as trace: net(x)`` -> ``trace.records``: [(key, tensor)] where key is
-    ``(module name, call number)``, in completion order. The net's own root is recorded last."""
+    ``(module name, call number)``, in completion order. The net's own root is recorded last.
+    ``enabled=False`` records nothing (no hooks): a probe compares only the net's output first and traces
+    the modules only once it knows where to look (every module's output of a large model is a lot of memory)."""
 
-    def __init__(self, net: nn.Module, prefix_strip: str = "") -> None:
-        self.net, self.prefix_strip = net, prefix_strip
+    def __init__(self, net: nn.Module, prefix_strip: str = "", enabled: bool = True) -> None:
+        self.net, self.prefix_strip, self.enabled = net, prefix_strip, enabled
         self.records: list[tuple[tuple[str, int], torch.Tensor]] = []
         self.inputs: dict[tuple[str, int], torch.Tensor] = {}  # the first floating input of each call
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ModuleTrace":
+        if not self.enabled:
+            return self
         for name, module in self.net.named_modules():
             self._handles.append(module.register_forward_hook(self._hook(name or "<net>")))
         return self

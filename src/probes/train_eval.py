@@ -12,15 +12,17 @@ Works on a copy of the net (its dropout is zeroed). Usable on any net:
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from dsdebug.doctor.batch import as_batch
-from dsdebug.doctor.result import ProbeResult
-from dsdebug.doctor.tracing import ModuleTrace, differs, first_divergence, logits_of
+from dsdebug.probes.batch import as_batch
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.tracing import ModuleTrace, differs, first_divergence, logits_of
 
-__all__ = ["train_eval", "without_dropout"]
+__all__ = ["train_eval", "without_dropout", "dropout_off"]
 
 NAME = "train_eval"
 
@@ -37,17 +39,39 @@ def without_dropout(net: nn.Module) -> nn.Module:
     return net
 
 
+@contextmanager
+def dropout_off(net: nn.Module) -> Iterator[nn.Module]:
+    """``without_dropout`` for the duration of the block, every value and train/eval flag put back
+    after (for probes on the run's own net)."""
+    saved = [(m, "p", m.p) for m in net.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    saved += [(m, attr, value) for m in net.modules() for attr, value in list(vars(m).items())
+              if "dropout" in attr.lower() and isinstance(value, float) and 0.0 < value < 1.0]
+    modes = {m: m.training for m in net.modules()}
+    try:
+        yield without_dropout(net)
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+        for module, training in modes.items():
+            module.training = training
+
+
 @torch.no_grad()
-def train_eval(net: nn.Module, batch: dict, copy_net: bool = True, seed: int = 0) -> ProbeResult:
-    batch = as_batch(batch)
-    probe = without_dropout(copy.deepcopy(net) if copy_net else net)
+def train_eval(net: nn.Module, batch: dict, copy_net: bool = True, seed: int = 0, locate: bool = True) -> ProbeResult:
+    """``copy_net=False``: on ``net`` itself, its dropout and modes put back after. ``locate=False``: no
+    module trace (a failure names ``<net>``; run again to name the module)."""
+    with dropout_off(copy.deepcopy(net) if copy_net else net) as probe:
+        return _train_eval(probe, as_batch(batch), seed, locate)
+
+
+def _train_eval(probe: nn.Module, batch: dict, seed: int, locate: bool) -> ProbeResult:
     ids = batch["input_ids"]
     torch.manual_seed(seed)
     probe.train()
-    with ModuleTrace(probe) as train_trace:
+    with ModuleTrace(probe, enabled=locate) as train_trace:
         train_out = logits_of(probe(input_ids=ids))
     probe.eval()
-    with ModuleTrace(probe) as eval_trace:
+    with ModuleTrace(probe, enabled=locate) as eval_trace:
         eval_out = logits_of(probe(input_ids=ids))
     details: dict = {}
     if not torch.isfinite(eval_out).all():

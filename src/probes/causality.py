@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from dsdebug.doctor.batch import as_batch, other_tokens, rows_positions, vocab_of
-from dsdebug.doctor.result import ProbeResult
-from dsdebug.doctor.tracing import ModuleTrace, differs, first_divergence, logits_of, restored_mode
+from dsdebug.probes.batch import as_batch, other_tokens, rows_positions, vocab_of
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.tracing import ModuleTrace, differs, first_divergence, logits_of, restored_mode
 
 __all__ = ["causality", "label_leak"]
 
@@ -26,7 +26,9 @@ NAME = "causality"
 
 @torch.no_grad()
 def causality(net: torch.nn.Module, batch: dict, cut: int | None = None, shifts_labels: bool = True,
-              seed: int = 0) -> ProbeResult:
+              seed: int = 0, locate: bool = True) -> ProbeResult:
+    """``locate=False``: compare the net's outputs only, no module trace (a failure names ``<net>``;
+    run again with ``locate=True`` to name the module)."""
     batch = as_batch(batch)
     ids = batch["input_ids"]
     b, t = ids.shape[0], ids.shape[1]
@@ -39,11 +41,11 @@ def causality(net: torch.nn.Module, batch: dict, cut: int | None = None, shifts_
     with restored_mode(net):
         net.eval()
         vocab = vocab_of(net) if hasattr(net, "get_input_embeddings") else None
-        with ModuleTrace(net) as base:
+        with ModuleTrace(net, enabled=locate) as base:
             logits = logits_of(net(input_ids=ids))
         vocab = vocab or logits.shape[-1]
         changed[:, cut:] = other_tokens(ids[:, cut:], vocab, g)
-        with ModuleTrace(net) as moved:
+        with ModuleTrace(net, enabled=locate) as moved:
             logits2 = logits_of(net(input_ids=changed))
     details = {"cut": cut, "seq_len": t}
     out_diff = differs(logits[:, :cut], logits2[:, :cut])

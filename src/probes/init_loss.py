@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from dsdebug.doctor.batch import as_batch, lm_loss, vocab_of
-from dsdebug.doctor.result import ProbeResult
-from dsdebug.doctor.tracing import ModuleTrace, logits_of, restored_mode
+from dsdebug.probes.batch import as_batch, lm_loss, vocab_of
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.tracing import ModuleTrace, logits_of, restored_mode
 
 __all__ = ["init_loss"]
 
@@ -24,12 +24,13 @@ NAME = "init_loss"
 
 @torch.no_grad()
 def init_loss(net: torch.nn.Module, batch: dict, vocab: int | None = None, pretrained: bool = False,
-              above: float = 0.25, below: float = 0.5) -> ProbeResult:
-    """Fail when loss > ln(V) * (1 + ``above``) + 1 nat, or (random init only) loss < ln(V) * ``below``."""
+              above: float = 0.25, below: float = 0.5, locate: bool = True) -> ProbeResult:
+    """Fail when loss > ln(V) * (1 + ``above``) + 1 nat, or (random init only) loss < ln(V) * ``below``.
+    ``locate=False``: no module trace (the culprit of a failure is ``<net>``; run again to name it)."""
     batch = as_batch(batch)
     with restored_mode(net):
         net.eval()
-        with ModuleTrace(net) as trace:
+        with ModuleTrace(net, enabled=locate) as trace:
             logits = logits_of(net(input_ids=batch["input_ids"]))
     vocab = vocab or vocab_of(net, logits)
     expected = math.log(vocab)

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from dsdebug.doctor.batch import as_batch, lm_loss, other_tokens, rows_positions
-from dsdebug.doctor.result import ProbeResult
-from dsdebug.doctor.tracing import ModuleTrace, differs, first_divergence, logits_of, restored_mode
+from dsdebug.probes.batch import as_batch, lm_loss, other_tokens, rows_positions
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.tracing import ModuleTrace, differs, first_divergence, logits_of, restored_mode
 
 __all__ = ["sample_independence"]
 
 NAME = "sample_independence"
 
 
-def sample_independence(net: torch.nn.Module, batch: dict, train_mode: bool = True, seed: int = 0) -> ProbeResult:
+def sample_independence(net: torch.nn.Module, batch: dict, train_mode: bool = True, seed: int = 0,
+                        locate: bool = True, grads: bool = True) -> ProbeResult:
     """``train_mode``: probe in train mode (where BatchNorm uses the batch's statistics), with the
     net's stochastic layers seeded alike for both forwards. The first and the last sample are
-    changed in turn (a mix-up can flow towards later or earlier samples only)."""
+    changed in turn (a mix-up can flow towards later or earlier samples only). ``locate=False``: no
+    module trace (a failure names ``<net>``); ``grads=False``: outputs only, no backward."""
     batch = as_batch(batch)
     ids = batch["input_ids"]
     b, t = ids.shape[0], ids.shape[1]
@@ -37,17 +39,18 @@ def sample_independence(net: torch.nn.Module, batch: dict, train_mode: bool = Tr
         net.train(train_mode)
         with torch.no_grad():
             torch.manual_seed(seed)
-            with ModuleTrace(net) as base:
+            with ModuleTrace(net, enabled=locate) as base:
                 logits = logits_of(net(input_ids=ids))
-            for j in (b - 1, 0):
+            failure: ProbeResult | None = None
+            for j in (b - 1, 0):  # both forwards always: a rank-independent count (ZeRO-3 gathers in each)
                 keep = torch.arange(b) != j
                 changed = ids.clone()
                 changed[j] = other_tokens(ids[j], logits.shape[-1], g)
                 torch.manual_seed(seed)
-                with ModuleTrace(net) as moved:
+                with ModuleTrace(net, enabled=locate and failure is None) as moved:
                     logits2 = logits_of(net(input_ids=changed))
                 out_diff = differs(logits[keep], logits2[keep])
-                if not out_diff:
+                if not out_diff or failure is not None:
                     continue
 
                 def others(x: torch.Tensor, keep: torch.Tensor = keep) -> torch.Tensor | None:
@@ -57,14 +60,16 @@ def sample_independence(net: torch.nn.Module, batch: dict, train_mode: bool = Tr
                 found = first_divergence(base, moved, others)
                 module, place = (found[0], found[2]) if found else ("<net>", "in the net")
                 details.update(module=module, where=place, max_abs_diff=out_diff, changed_sample=j)
-                return ProbeResult(
+                failure = ProbeResult(
                     NAME, "fail", f"other samples change when only sample {j} changes: samples of a batch "
                     f"leak into each other, first {place}", module,
                     f"{module} must treat samples independently: no normalisation over the batch (BatchNorm -> "
                     "LayerNorm/RMSNorm), no reshape/view that mixes batch and sequence dims (transpose, then "
                     "reshape)", details)
+            if failure is not None:
+                return failure
         j = b - 1
-        grad = _cross_grad(net, batch, j, seed)
+        grad = _cross_grad(net, batch, j, seed) if grads else None
     if grad is not None and grad > 0:
         details.update(cross_grad=grad)
         return ProbeResult(

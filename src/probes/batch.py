@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsdebug.doctor.tracing import logits_of
+from dsdebug.probes.tracing import logits_of
 
 __all__ = ["as_batch", "lm_loss", "net_logits", "other_tokens", "rows_positions", "vocab_of"]
 
