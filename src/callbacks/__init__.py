@@ -30,6 +30,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | MixedPrecisionCheck | mixed_precision | light, full |
 | NaNTriage | nan_triage | full |
 | OutcomeMonitor | outcome_monitor | light, full |
+| Preflight | preflight | light, full |
 | GradScaleCheck | grad_scale | always on |
 | ConsistencyCheck | consistency | always on |
 | DeepSpeedWallClock | ds_wall_clock | added under DeepSpeed |
@@ -56,6 +57,7 @@ _MODULES = {
     "LossSpike": "loss_spike",
     "LayerHealth": "layer_health",
     "OutcomeMonitor": "outcome_monitor",
+    "Preflight": "preflight",
     "MoERouter": "moe_router",
     "MemoryMonitor": "memory",
     "Throughput": "throughput",

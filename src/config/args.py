@@ -17,7 +17,7 @@ from numbers import Real
 from typing import Any, Callable
 
 __all__ = ["Rule", "boolean", "either", "integer", "is_int", "is_number", "number", "one_of", "optional", "seconds",
-           "string", "strings"]
+           "string", "strings", "subset_of"]
 
 Rule = tuple[Callable[[Any], bool], str]
 
@@ -90,6 +90,12 @@ def strings(valid: str = "a list of strings") -> Rule:
     """A list (or tuple) of strings, not a single string."""
     return (lambda v: not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__iter__")
             and all(isinstance(p, str) for p in v), valid)
+
+
+def subset_of(*choices: str) -> Rule:
+    """A list (or tuple) of strings, each one of ``choices`` (empty: none)."""
+    return (lambda v: not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__iter__")
+            and all(isinstance(p, str) and p in choices for p in v), f"a list of: {', '.join(choices)}")
 
 
 def optional(rule: Rule, note: str = "") -> Rule:

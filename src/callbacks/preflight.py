@@ -1,0 +1,193 @@
+"""`Preflight`: the doctor's cheap probes on the run's first real batch, inside the run.
+
+The config example and the table of findings: the class docstring (`Preflight`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.config.args import boolean, subset_of
+from dsdebug.probes.causality import causality
+from dsdebug.probes.init_loss import init_loss
+from dsdebug.probes.plan import plan_of_run
+from dsdebug.probes.ranks import gather, merge
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.sample_independence import sample_independence
+from dsdebug.probes.train_eval import dropout_off, train_eval
+
+__all__ = ["Preflight"]
+
+log = logging.getLogger(__name__)
+
+_SEVERITY = {"fail": "error", "warn": "warning"}
+
+
+class Preflight(DebugCallback):
+    """`Preflight`: properties every correct training step has, checked on the run's first batch.
+
+    Before the first training step, on the batch it is about to train on and the net as the strategy
+    holds it (DDP, ZeRO-1/2/3), the probes of the preflight doctor (``doctor=true``) that cost no
+    training step run on every rank:
+    - ``init_loss``: the loss at initialisation against ln(vocab) (far above: output scale; far below:
+      the model sees its targets); skipped for pretrained weights and on a resume;
+    - ``causality``: outputs before position t do not change when tokens from t on change; targets are
+      not among the inputs (labels shifted twice);
+    - ``sample_independence``: one sample's outputs do not change when another sample changes (outputs
+      only here; the doctor also checks gradients);
+    - ``train_eval``: with dropout off, the eval-mode forward is finite and equals the train-mode one;
+    - ``plan``: the LR schedule over the run (peak reached?), epochs over the dataset, the fraction of
+      tokens counted in the loss.
+    A probe first compares the net's outputs only; when one fails on any rank, every rank runs it again
+    with a module trace to name the module where the property breaks (the doctor's culprit). The probe
+    forwards run without gradients, the net's train/eval flags, dropout, buffers (BatchNorm statistics)
+    and the random number generators are put back: the run trains exactly what it would without the check.
+    The optimizer coverage, the one-batch overfit and the checkpoint round trip take steps: the doctor runs
+    those (``python train.py <overrides> doctor=true``).
+
+    Ranks: every rank runs every probe, with the same number of forwards (under ZeRO-3 each forward
+    gathers parameters: a collective), agrees on failures (one all-reduce) and gathers the results (one
+    all_gather_object) at the first batch; rank 0 reports. Nothing after the first batch: the cost is a
+    one-off ~8 forwards without gradients.
+
+    Example::
+
+        python train.py debug=light                                  # on by default in light and full
+        python train.py +callbacks=preflight callbacks.preflight.probes=[causality,init_loss]
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``<probe>`` (``init_loss``, ``causality``, ``sample_independence``, ``train_eval``, ``plan``) | error / warning | the probe failed / warned: the culprit (module, position, config key) and what to do |
+    | ``preflight_summary`` | info | the probes run, their status and seconds |
+    | ``preflight_skipped`` | info | the module has no ``net`` the probes can call with ``input_ids`` |
+    """
+
+    name = "preflight"
+    state_attrs = ("_done",)
+
+    def __init__(self, probes: list[str] | tuple[str, ...] = ("init_loss", "causality", "sample_independence",
+                                                              "train_eval", "plan"),
+                 on_resume: bool = False) -> None:
+        super().__init__()
+        self.check_args(
+            probes=(probes, subset_of("init_loss", "causality", "sample_independence", "train_eval", "plan")),
+            on_resume=(on_resume, boolean()),
+        )
+        self.probes, self.on_resume = tuple(probes), on_resume
+        self._done = False
+        self.results: list[ProbeResult] = []
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # first in the callback list: the probe forwards run before any other check's step-0 hooks are
+        # attached (reproducibility records the module calls of step 0 from its on_train_batch_start).
+        # Lightning iterates trainer.callbacks by index: removing this one and inserting it at 0 keeps
+        # every later callback at its index, so this setup loop neither skips nor repeats one.
+        callbacks = trainer.callbacks
+        if self in callbacks and callbacks[0] is not self:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._done:
+            return
+        self._done = True  # decided alike on every rank: the first batch of the fit
+        resumed = trainer.global_step > 0
+        if resumed and not self.on_resume:
+            return
+        net = getattr(pl_module, "net", None)
+        if not isinstance(net, torch.nn.Module) or not isinstance(batch, dict) or "input_ids" not in batch:
+            if trainer.global_rank == 0:
+                self.report(trainer, "info", "preflight_skipped",
+                            f"{type(pl_module).__name__} has no .net taking input_ids (or the batch has none): "
+                            "the probes need a causal LM's net(input_ids=...)", rank=None)
+            return
+        started = time.perf_counter()
+        mine = self.run_probes(trainer, pl_module, net, batch, resumed)  # COLLECTIVE (see the docstring)
+        self.results = merge(gather(mine), trainer.world_size)  # COLLECTIVE
+        self._report(trainer, time.perf_counter() - started)
+
+    def run_probes(self, trainer: Any, pl_module: Any, net: torch.nn.Module, batch: dict,
+                   resumed: bool) -> list[ProbeResult]:
+        """The probes on this rank, twice for the ones any rank failed (then with a module trace)."""
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        pretrained = bool(getattr(net, "name_or_path", "") or
+                          getattr(getattr(net, "config", None), "_name_or_path", ""))
+        calls: dict[str, Callable[[bool], ProbeResult]] = {
+            "init_loss": lambda locate: init_loss(net, batch, pretrained=pretrained, locate=locate),
+            "causality": lambda locate: causality(net, batch, shifts_labels=bool(getattr(pl_module, "shifts_labels",
+                                                                                        True)), locate=locate),
+            "sample_independence": lambda locate: _no_dropout(net, lambda: sample_independence(
+                net, batch, locate=locate, grads=False)),
+            "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate),
+            "plan": lambda locate: plan_of_run(trainer, pl_module, batch),
+        }
+        names = [n for n in self.probes if not (n == "init_loss" and resumed)]
+        with _untouched(net):
+            results = {n: _run(n, lambda n=n: calls[n](False)) for n in names}
+            for n in names:
+                if n == "plan":
+                    continue
+                failed = results[n].status == "fail" and results[n].culprit in ("", "<net>")
+                if trainer.strategy.reduce_boolean_decision(failed, all=False):  # COLLECTIVE: all ranks again
+                    again = _run(n, lambda n=n: calls[n](True))
+                    if results[n].status == "fail":
+                        results[n] = again
+        return [results[n] for n in names]
+
+    def _report(self, trainer: Any, seconds: float) -> None:
+        if trainer.global_rank != 0:
+            return
+        for r in self.results:
+            if r.status in _SEVERITY:
+                culprit = f" [{r.culprit}]" if r.culprit else ""
+                self.report(trainer, _SEVERITY[r.status], r.probe, f"{r.status.upper()} {r.probe}{culprit}: "
+                            f"{r.message}", r.advice, details={"status": r.status, "culprit": r.culprit,
+                                                               "seconds": r.seconds, **r.details},
+                            rank=r.details.get("rank"), step=0)
+        line = ", ".join(f"{r.probe} {r.status}" for r in self.results)
+        self.report(trainer, "info", "preflight_summary", f"preflight on the first batch in {seconds:.2f} s: {line}",
+                    details={"seconds": round(seconds, 3),
+                             "probes": {r.probe: {"status": r.status, "seconds": r.seconds, "message": r.message}
+                                        for r in self.results}}, rank=None, step=0)
+
+
+def _run(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
+    """A probe that raises is a skip naming the error (the run's own step will show it, if it is a bug)."""
+    started = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - a probe must not crash the run it checks
+        log.debug("preflight probe %s raised", name, exc_info=True)
+        result = ProbeResult(name, "skip", f"the probe could not run: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}")
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _no_dropout(net: torch.nn.Module, fn: Callable[[], ProbeResult]) -> ProbeResult:
+    with dropout_off(net):
+        return fn()
+
+
+@contextlib.contextmanager
+def _untouched(net: torch.nn.Module) -> Iterator[None]:
+    """Leave the run as it was: buffers (BatchNorm statistics, counters), train/eval flags and the RNG
+    streams (CPU and this rank's CUDA device) restored; no gradient kept."""
+    buffers = [(b, b.detach().clone()) for b in net.buffers()]
+    modes = {m: m.training for m in net.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            yield
+        finally:
+            for b, saved in buffers:
+                b.copy_(saved)
+            for m, training in modes.items():
+                m.training = training
+
