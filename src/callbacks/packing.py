@@ -198,16 +198,17 @@ class PackingCheck(DebugCallback):
         if self._reference is None:
             self._reference = getattr(dm, "reference_tokens_per_step", None) or tokens
         ratio = tokens / self._reference
+        step = trainer.global_step - 1  # the step just taken (the counter has moved on), as train/loss
         if trainer.global_rank == 0:
             for lg in trainer.loggers:
-                lg.log_metrics({"packing/tokens_per_step": float(tokens)}, step=trainer.global_step)
+                lg.log_metrics({"packing/tokens_per_step": float(tokens)}, step=step)
         if rule == "none" and abs(ratio - 1) > self.tokens_tolerance:
             self.report_capped(
                 trainer, "warning", "tokens_vary",
                 f"this step carried {tokens} tokens, {ratio:.2f}x the reference {self._reference}; the LR is not "
                 "scaled (data.token_budget_lr=none), so this step's update weighs as much as a full one",
                 "set data.token_budget_lr=linear or sqrt, or pack documents (data.packing=true)",
-                {"tokens": tokens, "reference": self._reference, "ratio": ratio}, limit=self.max_findings)
+                {"tokens": tokens, "reference": self._reference, "ratio": ratio}, step=step, limit=self.max_findings)
         elif rule != "none" and ratio < self.tokens_tolerance:
             self.report_capped(
                 trainer, "warning", "tokens_vary",
@@ -215,7 +216,7 @@ class PackingCheck(DebugCallback):
                 f"data.token_budget_lr={rule} scales its LR down to {getattr(pl_module, 'last_lr_scale', None)}x, "
                 "far from the batch the LR was tuned at",
                 "pack documents (data.packing=true) so rows fill up, or lower data.token_budget",
-                {"tokens": tokens, "reference": self._reference, "ratio": ratio}, limit=self.max_findings)
+                {"tokens": tokens, "reference": self._reference, "ratio": ratio}, step=step, limit=self.max_findings)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_rank != 0 or not self._packed:

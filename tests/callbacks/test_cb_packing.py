@@ -48,3 +48,20 @@ def test_each_planted_bug_is_named_by_its_own_code(tmp_path, shared_cache, short
     first = errors[0]
     assert first["rank"] == 0 and culprit in first["message"] and "batch row" in first["message"]
     assert first["details"]["row"] >= 0
+
+
+@pytest.mark.parametrize("rule", ["none", "linear"])
+def test_tokens_per_step_beyond_what_the_lr_rule_assumes(tmp_path, shared_cache, short_corpus, rule):
+    """One document per row with a token budget: the steps carry a variable number of tokens. With
+    token_budget_lr=none the LR assumes every step is the reference: steps off by more than the
+    tolerance are named; with linear the LR follows the tokens and nothing is reported."""
+    findings = _run(tmp_path, shared_cache, short_corpus, "data.packing=false", "data.token_budget=512",
+                    f"data.token_budget_lr={rule}", "callbacks.packing.tokens_tolerance=0.02")
+    vary = [f for f in findings if f["code"] == "tokens_vary"]
+    summary = one(findings, "packing_summary")["details"]
+    assert summary["tokens_min"] < summary["tokens_max"] <= 2 * 512  # variable, within the budget (1 rank x 512 x ...)
+    if rule == "none":
+        assert vary and all(abs(f["details"]["ratio"] - 1) > 0.02 for f in vary)
+        assert vary[0]["details"]["reference"] == 512 and "data.token_budget_lr=none" in vary[0]["message"]
+    else:
+        assert vary == [] and of(findings, "packing") == []
