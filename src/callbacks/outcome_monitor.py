@@ -9,9 +9,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import untrained_vocab
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import boolean, integer, number
+from dsdebug.probes.causality import causality
+from dsdebug.probes.on_the_run import probe_agreed, untouched
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.train_eval import train_eval
 
 __all__ = ["OutcomeMonitor"]
 
@@ -33,9 +39,19 @@ class OutcomeMonitor(DebugCallback):
       untrained model's: more than natural text allows
       (>= ~1-2 nats/token): the model sees what it predicts (leakage) or memorised (many epochs).
 
+    A rule that suspects the net or the data runs the probe that settles it, on the spot
+    (``probe_on_the_spot``), on the run's net and its last training batch: ``loss_implausibly_low`` before
+    memorisation is possible -> the causality probe (a module that sees the future, labels among the
+    inputs: an error naming it; else "not a leak in the net or the labels": look at train/val overlap);
+    ``val_nonfinite`` and the eval-mode branch of ``val_above_untrained`` -> the train/eval probe (the
+    module where train and eval part). The probe leaves the run untouched (no gradient, buffers, RNG and
+    modes put back).
+
     Ranks: rank 0 judges from ITS training loss (logged per rank) and the reduced ``val/loss`` (the
-    same on every rank); no collective. Cost: one tensor add per training step (no device sync); the
-    host reads the mean at each validation and at the end, where the rules are judged.
+    same on every rank). With ``probe_on_the_spot``, rank 0's choice of probes is broadcast at each
+    validation and at the end (one small collective) and every rank runs them (ZeRO-3 forwards gather
+    parameters). Cost: one tensor add per training step (no device sync); the host reads the mean at
+    each validation and at the end, where the rules are judged.
 
     Example::
 
@@ -47,6 +63,8 @@ class OutcomeMonitor(DebugCallback):
     | ``val_above_untrained`` | warning | val/loss > (1 + ``prior_margin``) ln(vocab) while the training loss is below 1.05 ln(vocab): memorisation or an eval-mode bug (which, from the epochs) |
     | ``train_val_gap`` | warning | val - train grew ``gap_evals`` validations in a row to > ``gap_ratio`` x train |
     | ``loss_implausibly_low`` | warning | training loss < ``low_fraction`` x ln(vocab): leakage, or memorisation after many epochs |
+    | ``causality_on_the_spot`` | error / info | after ``loss_implausibly_low`` (leakage branch): the module or the labels that leak; info when neither does |
+    | ``train_eval_on_the_spot`` | error / info | after ``val_nonfinite`` or ``val_above_untrained`` (eval-mode branch): the module where eval parts from train |
     | ``outcome_summary`` | info | at the end: validations seen, last train and val loss, gap, epochs |
 
     Resume (``state_attrs``): the gaps seen and the codes already reported.
@@ -55,7 +73,7 @@ class OutcomeMonitor(DebugCallback):
     state_attrs = ("_gaps", "_reported")
 
     def __init__(self, prior_margin: float = 0.25, memorise_epochs: int = 3, gap_ratio: float = 0.3,
-                 gap_evals: int = 3, low_fraction: float = 0.1) -> None:
+                 gap_evals: int = 3, low_fraction: float = 0.1, probe_on_the_spot: bool = True) -> None:
         super().__init__()
         self.check_args(
             prior_margin=(prior_margin, number(0)),
@@ -63,7 +81,11 @@ class OutcomeMonitor(DebugCallback):
             gap_ratio=(gap_ratio, number(0, open_low=True)),
             gap_evals=(gap_evals, integer(2)),
             low_fraction=(low_fraction, number(0, 1, open_high=True, note="0 = off")),
+            probe_on_the_spot=(probe_on_the_spot, boolean()),
         )
+        self.probe_on_the_spot = probe_on_the_spot
+        self._wanted: list[str] = []  # probes the rules just asked for (rank 0's decide)
+        self._batch: dict | None = None  # the last training batch (a reference, no copy)
         self.prior_margin, self.memorise_epochs = float(prior_margin), memorise_epochs
         self.gap_ratio, self.gap_evals, self.low_fraction = float(gap_ratio), gap_evals, float(low_fraction)
         self._gaps: list[float] = []
@@ -84,6 +106,8 @@ class OutcomeMonitor(DebugCallback):
         loss = trainer.callback_metrics.get("train/loss")  # this rank's; summed where it lives: no device sync
         if loss is not None:
             self._train_sum, self._train_n = self._train_sum + loss.detach(), self._train_n + 1
+        if self.probe_on_the_spot and isinstance(batch, dict) and "input_ids" in batch:
+            self._batch = batch
 
     def _train_mean(self) -> float:
         mean = float(self._train_sum) / self._train_n  # the one host read, at a validation / the end
@@ -101,12 +125,14 @@ class OutcomeMonitor(DebugCallback):
         if math.isfinite(train):
             self._judge_low(trainer, train)
         self.judge(trainer, train, float(val), passes=trainer.current_epoch + 1)
+        self._probe(trainer, pl_module)  # COLLECTIVE with probe_on_the_spot (every rank, each validation)
 
     # ---- the rules (rank 0 reports; pure given the numbers) -----------------------------------
     def judge(self, trainer: Any, train: float, val: float, passes: int) -> list[str]:
         step, found = trainer.global_step, []
         self._last = {"train": train, "val": val, "step": step, "passes": passes}
         if not math.isfinite(val) and math.isfinite(train):
+            self._want("train_eval")
             found.append(self._once(trainer, "error", "val_nonfinite",
                                     f"val/loss is {val} at step {step} while the training loss is finite ({train:.4g})",
                                     "the eval path breaks: an eval-only branch (model.eval() changes dropout/batch "
@@ -120,6 +146,7 @@ class OutcomeMonitor(DebugCallback):
                 why, advice = (f"after {passes} passes over the training data the model memorised its few samples",
                                "give the run more distinct data (data.max_tokens, a bigger corpus) or fewer steps")
             else:
+                self._want("train_eval")
                 why, advice = ("in under " f"{self.memorise_epochs} passes: an eval-mode bug, not memorisation",
                                "compare the train-mode and eval-mode forward on one batch (dropout/batch norm, an "
                                "eval-only branch, the attention mask at eval); the doctor's train/eval probe names "
@@ -152,12 +179,56 @@ class OutcomeMonitor(DebugCallback):
             why = f"after {passes} passes over the data: it memorised a few samples"
             advice = "more distinct data (data.max_tokens) or fewer steps; a rising val/loss confirms memorisation"
         else:
+            self._want("causality")
             why = "in under " f"{self.memorise_epochs} passes: the model likely sees what it predicts (leakage)"
             advice = ("check causality (the attention mask; position t must not see t+1), labels copied into the "
                       "inputs, train/val overlap (debug=data); the doctor's causality probe names the module")
         self._once(trainer, "warning", "loss_implausibly_low",
                    f"training loss {train:.4g} (mean over the steps up to {trainer.global_step}) is below {self.low_fraction:g} x an "
                    f"untrained model's ln(vocab) = {self.prior:.4g}, more than natural text allows: {why}", advice)
+
+    def _want(self, probe: str) -> None:
+        if probe not in self._wanted and f"{probe}_on_the_spot" not in self._reported:
+            self._wanted.append(probe)
+
+    def _probe(self, trainer: Any, pl_module: Any) -> None:
+        """Run the probes the rules asked for (rank 0's list, broadcast: COLLECTIVE) on every rank; rank 0
+        reports each once."""
+        if not self.probe_on_the_spot:
+            return
+        wanted = trainer.strategy.broadcast(list(self._wanted), src=0) if trainer.world_size > 1 else self._wanted
+        self._wanted = []
+        if not wanted:
+            return
+        net, batch = getattr(pl_module, "net", None), self._batch
+        if not isinstance(net, torch.nn.Module) or batch is None:
+            return  # alike on every rank: the same module class, a training batch on each
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        shifts = bool(getattr(pl_module, "shifts_labels", True))
+        calls = {"causality": lambda locate: causality(net, batch, shifts_labels=shifts, locate=locate),
+                 "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate)}
+        any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        with untouched(net):
+            results = [probe_agreed(name, calls[name], any_rank) for name in wanted]  # COLLECTIVE
+        for r in results:
+            self._reported.append(f"{r.probe}_on_the_spot")
+            if trainer.global_rank == 0:
+                self._report_probe(trainer, r)
+
+    def _report_probe(self, trainer: Any, r: ProbeResult) -> None:
+        code = f"{r.probe}_on_the_spot"
+        details = {"status": r.status, "culprit": r.culprit, "seconds": r.seconds, **r.details}
+        if r.status == "fail":
+            self.report(trainer, "error", code, f"the {r.probe} probe, run on the spot on the last training batch: "
+                        f"{r.message}", r.advice, details, rank=None)
+        elif r.probe == "causality":
+            self.report(trainer, "info", code, f"the causality probe, run on the spot on the last training batch, "
+                        f"passed: the net does not see the future and the labels are not among the inputs "
+                        f"({r.message})", "then the low loss comes from the data: train/val overlap or repeated "
+                        "sequences (debug=data checks the overlap)", details, rank=None)
+        else:
+            self.report(trainer, "info", code, f"the {r.probe} probe, run on the spot, says {r.status}: {r.message}",
+                        "", details, rank=None)
 
     def _once(self, trainer: Any, severity: str, code: str, message: str, advice: str) -> str | None:
         if code in self._reported:
@@ -172,6 +243,7 @@ class OutcomeMonitor(DebugCallback):
             train = self._train_mean()
             if math.isfinite(train):
                 self._judge_low(trainer, train)
+        self._probe(trainer, pl_module)  # COLLECTIVE with probe_on_the_spot (every rank, once at the end)
         if trainer.global_rank == 0:
             last = self._last
             text = (f"last validation at step {last['step']}: train {last['train']:.4g}, val {last['val']:.4g}, "

@@ -5,10 +5,8 @@ The config example and the table of findings: the class docstring (`Preflight`).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -16,6 +14,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.config.args import boolean, subset_of
 from dsdebug.probes.causality import causality
 from dsdebug.probes.init_loss import init_loss
+from dsdebug.probes.on_the_run import probe_agreed, untouched
 from dsdebug.probes.plan import plan_of_run
 from dsdebug.probes.ranks import gather, merge
 from dsdebug.probes.result import ProbeResult
@@ -23,8 +22,6 @@ from dsdebug.probes.sample_independence import sample_independence
 from dsdebug.probes.train_eval import dropout_off, train_eval
 
 __all__ = ["Preflight"]
-
-log = logging.getLogger(__name__)
 
 _SEVERITY = {"fail": "error", "warn": "warning"}
 
@@ -128,17 +125,9 @@ class Preflight(DebugCallback):
             "plan": lambda locate: plan_of_run(trainer, pl_module, batch),
         }
         names = [n for n in self.probes if not (n == "init_loss" and resumed)]
-        with _untouched(net):
-            results = {n: _run(n, lambda n=n: calls[n](False)) for n in names}
-            for n in names:
-                if n == "plan":
-                    continue
-                failed = results[n].status == "fail" and results[n].culprit in ("", "<net>")
-                if trainer.strategy.reduce_boolean_decision(failed, all=False):  # COLLECTIVE: all ranks again
-                    again = _run(n, lambda n=n: calls[n](True))
-                    if results[n].status == "fail":
-                        results[n] = again
-        return [results[n] for n in names]
+        any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        with untouched(net):
+            return [probe_agreed(n, calls[n], any_rank) for n in names]  # COLLECTIVE: same calls on every rank
 
     def _report(self, trainer: Any, seconds: float) -> None:
         if trainer.global_rank != 0:
@@ -157,37 +146,6 @@ class Preflight(DebugCallback):
                                         for r in self.results}}, rank=None, step=0)
 
 
-def _run(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
-    """A probe that raises is a skip naming the error (the run's own step will show it, if it is a bug)."""
-    started = time.perf_counter()
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - a probe must not crash the run it checks
-        log.debug("preflight probe %s raised", name, exc_info=True)
-        result = ProbeResult(name, "skip", f"the probe could not run: {type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]}")
-    result.seconds = round(time.perf_counter() - started, 3)
-    return result
-
-
 def _no_dropout(net: torch.nn.Module, fn: Callable[[], ProbeResult]) -> ProbeResult:
     with dropout_off(net):
         return fn()
-
-
-@contextlib.contextmanager
-def _untouched(net: torch.nn.Module) -> Iterator[None]:
-    """Leave the run as it was: buffers (BatchNorm statistics, counters), train/eval flags and the RNG
-    streams (CPU and this rank's CUDA device) restored; no gradient kept."""
-    buffers = [(b, b.detach().clone()) for b in net.buffers()]
-    modes = {m: m.training for m in net.modules()}
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        try:
-            yield
-        finally:
-            for b, saved in buffers:
-                b.copy_(saved)
-            for m, training in modes.items():
-                m.training = training
-

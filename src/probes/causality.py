@@ -62,7 +62,7 @@ def causality(net: torch.nn.Module, batch: dict, cut: int | None = None, shifts_
         return ProbeResult(
             NAME, "fail", f"the output at position {first_pos} changes when only tokens at positions >= {cut} "
             f"change: the model sees the future; the dependence first appears {place}", module,
-            f"make {module} causal: a causal attention mask (is_causal=True / a lower-triangular mask), "
+            f"make {'the forward of the net itself' if module == '<net>' else module} causal: a causal attention mask (is_causal=True / a lower-triangular mask), "
             "no look-ahead along the sequence (roll/shift/conv/pooling over positions > t)", details)
     if leak is not None:
         k, rate = leak

@@ -85,11 +85,16 @@ def test_planted_eval_mode_bug_is_named_at_the_first_validation(tmp_path, shared
     loud = [(r["code"], r["step"]) for r in rows if r["severity"] != "info"]
     assert loud and loud[0] == ("val_above_untrained", 2), loud  # smoke validates at steps 2, 4, ...
     assert "eval-mode bug" in rows[0]["message"]
+    # the rule ran the train/eval probe on the spot: it names where eval parts from train (the net's own forward)
+    spot = [r for r in rows if r["code"] == "train_eval_on_the_spot"]
+    assert len(spot) == 1 and spot[0]["severity"] == "error" and spot[0]["details"]["culprit"] == "<net>", spot
 
 
 def test_planted_leak_is_loss_implausibly_low_and_healthy_is_silent(tmp_path, shared_cache):
     rows = _run(tmp_path / "leak", shared_cache, "tests.planted.outcome.PeekingLM", ["trainer.max_steps=4"])
     low = [r for r in rows if r["code"] == "loss_implausibly_low"]
     assert low and low[0]["step"] == 2 and "leakage" in low[0]["message"], [(r["code"], r["message"][:99]) for r in rows]
+    spot = [r for r in rows if r["code"] == "causality_on_the_spot"]
+    assert len(spot) == 1 and spot[0]["severity"] == "error" and "sees the future" in spot[0]["message"], spot
     healthy = _run(tmp_path / "healthy", shared_cache, TINY_NET[0].split("=", 1)[1], ["trainer.max_steps=30"])
     assert [r for r in healthy if r["severity"] != "info"] == []

@@ -1,0 +1,64 @@
+"""Running a probe on the run's own net, mid-run: nothing about the run may change, and every rank
+makes the same forwards.
+
+- ``untouched(net)``: buffers (BatchNorm statistics, counters), train/eval flags and the RNG streams
+  (CPU and this rank's CUDA device) are put back after the block; no gradient is kept.
+- ``probe_agreed(name, call, any_rank)``: ``call(locate=False)`` compares outputs only (cheap, no module
+  trace); when it failed on any rank without naming a module, every rank calls ``call(locate=True)``
+  to name it. ``any_rank(flag) -> bool`` is the run's agreement (an all-reduce): COLLECTIVE, every rank
+  calls it once or twice alike. Under ZeRO-3 each forward gathers parameters: every rank must run the
+  same probes in the same order.
+- A probe that raises is a ``skip`` naming the error: a check must not crash the run it checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from dsdebug.probes.result import ProbeResult
+
+__all__ = ["untouched", "probe_agreed", "guarded"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def untouched(net: torch.nn.Module) -> Iterator[None]:
+    buffers = [(b, b.detach().clone()) for b in net.buffers()]
+    modes = {m: m.training for m in net.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            yield
+        finally:
+            for b, saved in buffers:
+                b.copy_(saved)
+            for m, training in modes.items():
+                m.training = training
+
+
+def guarded(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
+    started = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - a probe must not crash the run it checks
+        log.debug("probe %s raised", name, exc_info=True)
+        result = ProbeResult(name, "skip", f"the probe could not run: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}")
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result
+
+
+def probe_agreed(name: str, call: Callable[[bool], ProbeResult], any_rank: Callable[[bool], bool]) -> ProbeResult:
+    result = guarded(name, lambda: call(False))
+    unnamed = result.status == "fail" and result.culprit in ("", "<net>")
+    if any_rank(unnamed):  # COLLECTIVE
+        again = guarded(name, lambda: call(True))
+        if result.status == "fail":
+            result = again
+    return result
