@@ -218,13 +218,16 @@ class CausalLMModule(L.LightningModule):
             self._skip_undo = _arm_skip(self.trainer, optimizer)  # None: not at DeepSpeed's boundary yet
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        scaled = self._scale_lr_for_tokens(optimizer)  # the step's tokens are known only inside the closure
+        # DeepSpeed accumulates inside its engine: Lightning calls this every micro-batch, the update
+        # happens at the boundary only; the step's tokens add up until then
+        boundary = _at_update(self._trainer)
+        scaled = self._scale_lr_for_tokens(optimizer) if boundary else []  # the tokens are counted in the closure
         try:
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
             for group, lr in scaled:
                 group["lr"] = lr  # the schedule's value back: the rule scales one step, never the schedule
-            if self.step_tokens:
+            if self.step_tokens and boundary:
                 self.last_step_tokens, self.step_tokens = self.step_tokens, 0
             if self._skip_undo is not None:
                 undo, self._skip_undo = self._skip_undo, None
@@ -281,6 +284,13 @@ class _TokenLRScale:
         for group, lr in self.groups:
             group["lr"] = lr * scale
         self.module.last_lr_scale = scale
+
+
+def _at_update(trainer: Any) -> bool:
+    """Whether this optimizer_step call updates the weights (False: a DeepSpeed micro-batch before its
+    accumulation boundary). Local: no collective."""
+    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
+    return engine is None or bool(engine.is_gradient_accumulation_boundary())
 
 
 def _as_cpu_adam(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
