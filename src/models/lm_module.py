@@ -18,6 +18,10 @@ number >= 0 (replaces the coefficient; 0 = no balancing). Exactly one aux term i
 ``moe_metrics`` (default true) logs the ``moe/*`` keys whenever the net has routers, also at
 coefficient 0; coefficient 0 with ``moe_metrics=false`` adds no hooks at all.
 
+Document rows (``data.packing`` / ``data.token_budget``: the batch carries ``doc_ids``): ``net_inputs`` adds
+``position_ids`` and the 4-D document mask; the training loss is the mean over every rank's counted tokens
+(one all-reduce per step); ``data.token_budget_lr`` scales each update's LR by the step's tokens.
+
 ``gradient_checkpointing``: false (default) | true (= non_reentrant) | reentrant | non_reentrant --
 recompute each block's activations in backward (``src/models/grad_ckpt.py``; the
 ``grad_checkpointing`` check verifies it).
@@ -31,6 +35,7 @@ Logged metrics:
 | ``train/loss_total`` | what is back-propagated: loss + coef * aux_loss |
 | ``moe/load_imbalance`` | busiest expert's share x num_experts, max over MoE layers (1 = balanced, E/k = collapsed) |
 | ``moe/load/L<i>/E<e>`` | share of routed tokens of expert e in decoder layer i (logged at log_every_n_steps) |
+| ``train/lr_scale`` | ``data.token_budget_lr=linear\|sqrt``: the factor on the scheduled LR of this step (its tokens / the reference, or its square root) |
 | ``val/loss`` | validation cross-entropy, mean over ranks; also recorded at step 0 (sanity check) and after the last step |
 | ``val/ppl`` | exp(val/loss) |
 """
@@ -284,6 +289,7 @@ class _TokenLRScale:
         for group, lr in self.groups:
             group["lr"] = lr * scale
         self.module.last_lr_scale = scale
+        self.module.log("train/lr_scale", scale, on_step=True)  # the LR actually used = the schedule's x this
 
 
 def _at_update(trainer: Any) -> bool:

@@ -28,6 +28,9 @@ def test_two_processes_train_packed_documents_with_a_token_budget(tmp_path, shar
     assert sorted(losses) == list(range(8)) and losses[7] < losses[0] - 0.3, losses
     tokens = csv_column(run, "packing/tokens_per_step")
     assert sorted(tokens) == list(range(8)) and all(0 < t <= 2 * BUDGET for t in tokens.values()), tokens
+    scale = csv_column(run, "train/lr_scale")  # sqrt rule: the LR of each update follows its tokens
+    assert sorted(scale) == list(range(8)), scale
+    assert all(abs(scale[s] - (tokens[s] / 1024) ** 0.5) < 1e-6 for s in scale), (scale, tokens)
     findings = read_findings(run, "packing")
     assert of(findings, "packing") == []
     summary = one(findings, "packing_summary")["details"]
