@@ -35,7 +35,7 @@ Logged metrics:
 | ``train/loss_total`` | what is back-propagated: loss + coef * aux_loss |
 | ``moe/load_imbalance`` | busiest expert's share x num_experts, max over MoE layers (1 = balanced, E/k = collapsed) |
 | ``moe/load/L<i>/E<e>`` | share of routed tokens of expert e in decoder layer i (logged at log_every_n_steps) |
-| ``train/lr_scale`` | ``data.token_budget_lr=linear\|sqrt``: the factor on the scheduled LR of this step (its tokens / the reference, or its square root) |
+| ``train/lr_scale`` | ``data.token_budget_lr`` linear or sqrt: the factor on the scheduled LR of this step (its tokens / the reference, or its square root) |
 | ``val/loss`` | validation cross-entropy, mean over ranks; also recorded at step 0 (sanity check) and after the last step |
 | ``val/ppl`` | exp(val/loss) |
 """
