@@ -17,12 +17,12 @@ def short_corpus(tmp_path_factory):
     return write_short_documents(tmp_path_factory.mktemp("corpus") / "paragraphs.jsonl")
 
 
-def _run(tmp_path, cache, corpus, *extra):
+def _run(tmp_path, cache, corpus, *extra, steps=2):
     overrides = SMOKE + SMALL_DEEPSEEK + short_documents_data(corpus) + [
-        "data.packing=true", "+callbacks=packing", "callbacks.packing.every_n_steps=1", "trainer.max_steps=2",
-        "trainer.limit_val_batches=1", "export.fp32=false", "export.hf=false", *extra]
+        "data.packing=true", "+callbacks=packing", "callbacks.packing.every_n_steps=1", f"trainer.max_steps={steps}",
+        "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "export.fp32=false", "export.hf=false", *extra]
     m = train_in_process(overrides, tmp_path / "run", cache)
-    assert m["status"] == "completed" and m["global_step"] == 2
+    assert m["status"] == "completed" and m["global_step"] == steps
     return read_findings(tmp_path / "run", "packing")
 
 
@@ -42,7 +42,7 @@ def test_a_healthy_packed_run_is_silent_and_its_probe_ran(tmp_path, shared_cache
     ("model._target_=tests.planted.packing.MaskDroppedLM", "cross_document_attention", "moved document"),
 ])
 def test_each_planted_bug_is_named_by_its_own_code(tmp_path, shared_cache, short_corpus, override, code, culprit):
-    findings = _run(tmp_path, shared_cache, short_corpus, override)
+    findings = _run(tmp_path, shared_cache, short_corpus, override, steps=1)
     errors = of(findings, "packing", severities=("error",))
     assert {f["code"] for f in errors} == {code}, errors
     first = errors[0]
