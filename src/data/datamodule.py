@@ -266,6 +266,11 @@ class LMDataModule(L.LightningDataModule):
 
     def _setup_documents(self, tokens: np.ndarray, split: int, end: int, world: int) -> None:
         """Document rows for both splits (packing / token budget): whole documents, never spanning."""
+        if self.eos_token_id is None:
+            key = "data.packing=true" if self.packing else "data.token_budget"
+            raise ConfigError(f"{key}: the tokenizer has no EOS token, so the token cache has no document "
+                              "boundaries; valid: a tokenizer with an EOS token, or data.packing=false and "
+                              "data.token_budget=null")
         pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or 0)
         rows = dict(eos_id=self.eos_token_id, seq_len=self.seq_len, pad_id=pad, packed=self.packing)
         self.train_dataset = DocumentRows(tokens[:split], **rows)
@@ -360,7 +365,14 @@ class LMDataModule(L.LightningDataModule):
         skip = int(state.get("batches_consumed_in_epoch", 0))
         old = (int(state.get("world_size", 0)), int(state.get("batch_size", 0)))
         new = (self._world_size(), self.batch_size)
-        if all(old) and old != new:
+        if self.token_budget is not None:
+            if all(old) and old[0] != new[0]:
+                # token-budget batches hold a variable number of rows: no batch count maps across world sizes
+                log.warning("resume: data.token_budget batches were dealt to %d ranks, now %d: the position in "
+                            "the epoch cannot be carried over; this epoch starts again from its first batch",
+                            old[0], new[0])
+                skip = 0
+        elif all(old) and old != new:
             # the sampler deals one global permutation out rank by rank: skip the same samples
             samples = skip * old[0] * old[1]
             skip = samples // (new[0] * new[1])
