@@ -35,3 +35,16 @@ def test_two_processes_train_packed_documents_with_a_token_budget(tmp_path, shar
     assert of(findings, "packing") == []
     summary = one(findings, "packing_summary")["details"]
     assert summary["probes"] == 2 and summary["leak_probes"] == 2 and summary["leak_max"] < 1e-3
+
+
+@pytest.mark.slow  # a second 2-process run (~20 s); each planted code is covered by the 1-process runs in make test
+def test_a_bug_on_one_rank_is_named_with_that_rank(tmp_path, shared_cache):
+    corpus = write_short_documents(tmp_path / "paragraphs.jsonl")
+    proc = run_train(SMOKE + SMALL_DEEPSEEK + short_documents_data(corpus) + [
+        "trainer=ddp_sim", "trainer.max_steps=2", "trainer.limit_val_batches=1", "data.packing=true",
+        "data._target_=tests.planted.packing.PositionsRunOnRank1", "+callbacks=packing",
+        "export.fp32=false", "export.hf=false"], tmp_path / "logs", shared_cache)
+    assert_ok(proc)
+    errors = of(read_findings(only_run_dir(tmp_path / "logs"), "packing"), "packing", severities=("error",))
+    assert {f["code"] for f in errors} == {"positions_not_reset"} and {f["rank"] for f in errors} == {1}, errors
+    assert errors[0]["message"].startswith("rank 1: batch row ")
