@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# debug=light first (cheap always-on checks, <= 2% step time): the first report has gradient norms,
-# rank stats and findings; ARGS come after and win (make train ARGS="debug=none" for a bare run).
+# debug=light is the config's default (cheap always-on checks, <= 2% of a run): the first report has
+# gradient norms, rank stats and findings; ARGS come after and win (make train ARGS="debug=none" for a bare run).
 train: setup
-	$(PY) train.py debug=light $(ARGS)
+	$(PY) train.py $(ARGS)
 
 # The tiers (docs/testing.md): `slow` marks what only test-all runs (pyproject.toml [tool.pytest] markers).
 # PYTEST_ARGS picks tests: make test PYTEST_ARGS="tests/config -k bad_input"

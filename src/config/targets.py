@@ -64,7 +64,7 @@ def target_problem(target: str) -> str | None:
         return None
     public = sorted(n for n in names if not n.startswith("_"))
     close = difflib.get_close_matches(name, public, n=3)
-    valid = f"did you mean {' or '.join(close)}?" if close else f"valid: {', '.join(public[:12])}"
+    valid = f"did you mean {' or '.join(close)}?" if close else f"valid: {', '.join(public[:12])}{', ...' if len(public) > 12 else ''}"
     return f"{module_name} has no {name!r}; {valid}"
 
 

@@ -69,8 +69,13 @@ def test_default_composition_matches_the_product_card():
     assert cfg.strategy.stage == 2 and cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 1
     assert cfg.optim.scheduler.warmup_ratio == 0.1 and cfg.optim.grad_clip == 1.0
     assert list(cfg.logger) == ["tensorboard"]
-    assert set(cfg.callbacks) == {"model_checkpoint", "lr_monitor", "rich_progress_bar", "model_summary", "grad_scale",
-                                 "consistency"}
+    base = {"model_checkpoint", "lr_monitor", "rich_progress_bar", "model_summary", "grad_scale", "consistency"}
+    light = _compose(["debug=light"])
+    # debug=light is the default: python train.py runs the cheap checks; debug=none is the opt-out
+    assert set(cfg.callbacks) == set(light.callbacks) and set(cfg.callbacks) > base | {"preflight", "grad_monitor"}
+    assert set(_compose(["debug=none"]).callbacks) == base
+    assert set(_compose(["experiment=smoke"]).callbacks) == base  # the smoke run pins debug=none
+    assert set(_compose(["experiment=smoke", "debug=light"]).callbacks) == set(light.callbacks)  # the command line wins
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
@@ -99,7 +104,7 @@ def test_loggers_and_callbacks_instantiate(logger, tmp_path, monkeypatch):
     OmegaConf.update(cfg, "paths.output_dir", str(tmp_path), force_add=True)
     loggers = instantiate_loggers(cfg.logger)
     assert loggers and all(isinstance(lg, Logger) for lg in loggers)
-    assert len(instantiate_callbacks(cfg.callbacks)) == 6
+    assert len(instantiate_callbacks(cfg.callbacks)) == len([c for c in cfg.callbacks.values() if c]) >= 6 + 12
     assert os.getcwd() == str(REPO) or not (Path.cwd() / "wandb").exists()
 
 
