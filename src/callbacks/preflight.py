@@ -66,7 +66,7 @@ class Preflight(DebugCallback):
     """
 
     name = "preflight"
-    state_attrs = ("_done",)
+    # nothing kept across a resume: a resumed fit (global_step > 0) skips the probes unless on_resume
 
     def __init__(self, probes: list[str] | tuple[str, ...] = ("init_loss", "causality", "sample_independence",
                                                               "train_eval", "plan"),

@@ -100,3 +100,41 @@ def test_bad_values_are_config_errors(kwargs):
     with pytest.raises(ConfigError, match=r"callbacks\.data_inspector\.\w+=.*valid"):
         DataInspector(**kwargs)
 
+
+
+# ---- batch content: a corrupt batch among text batches, from the first steps ------------------------
+
+@pytest.mark.parametrize("mode, onset, kind", [("zeros", 3, "one_token"), ("random", 8, "random_ids")])
+def test_a_corrupt_batch_is_named_at_its_step(mode, onset, kind, tmp_path, shared_cache):
+    """On the tiny MLP, whose loss barely moves on these batches (loss_spike cannot tell them from noise),
+    the batch's own tokens name it: one token fills it, or its ids look random. Healthy steps: silent."""
+    from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
+
+    run_dir = tmp_path / "run"
+    train_in_process(SMOKE + TINY_NET + ["+callbacks=data_inspector", f"trainer.max_steps={onset + 3}",
+                                         "export.hf=false", "export.fp32=false", "trainer.val_check_interval=100",
+                                         "+callbacks.plant._target_=tests.planted.early.CorruptBatch",
+                                         f"+callbacks.plant.step={onset}", f"+callbacks.plant.mode={mode}"],
+                     run_dir, shared_cache)
+    found = [r for r in read_findings(run_dir, "data_inspector") if r["code"] == "batch_unlike_the_others"]
+    assert [(r["step"], r["details"]["kind"]) for r in found] == [(onset, kind)], found
+
+
+def test_batch_content_rules_on_numbers():
+    from dsdebug.callbacks.data_inspector.batch_content import BatchContent
+
+    text = BatchContent()
+    g = torch.Generator().manual_seed(0)
+    zipf = torch.distributions.Categorical(probs=1 / torch.arange(1, 4097).float())
+    for step in range(4):  # Zipf-like "text" batches
+        assert text.measure(zipf.sample((8, 128)), None, step, step) == []
+    assert text.measure(torch.randint(0, 4096, (8, 128), generator=g), None, 4, 4) == []  # judged one step later
+    assert [f["kind"] for f in text.measure(torch.zeros(8, 128, dtype=torch.long), None, 5, 5)] == ["random_ids"]
+    assert [f["kind"] for f in text.flush()] == ["one_token"]
+    labels = torch.full((8, 128), -100)
+    text.measure(zipf.sample((8, 128)), labels, 6, 6)
+    assert [f["kind"] for f in text.flush()] == ["no_tokens"]
+    synthetic = BatchContent()  # random-token data judged against its own batches: silent
+    for step in range(6):
+        assert synthetic.measure(torch.randint(0, 4096, (8, 128), generator=g), None, step, step) == []
+    assert synthetic.flush() == []

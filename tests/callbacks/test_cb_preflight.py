@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from dsdebug.callbacks.preflight import Preflight
 from dsdebug.config.args import subset_of
 from dsdebug.errors import ConfigError
-from dsdebug.findings import get_channel
+from dsdebug.findings import configure_channel, get_channel
 from dsdebug.probes.batch import lm_loss
 from tests.planted import doctor_nets as planted
 
@@ -44,6 +44,7 @@ def _data(leak: bool = False) -> list[dict]:
 
 
 def _fit(net: torch.nn.Module, tmp_path, callbacks: list, steps: int = 3, leak: bool = False) -> L.Trainer:
+    configure_channel(tmp_path / "findings")  # this fit's findings only (get_channel().local)
     torch.manual_seed(1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,

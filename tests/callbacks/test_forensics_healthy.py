@@ -118,7 +118,9 @@ EARLY = {  # one short healthy run per family: the early-step priors must not fi
     "two_big_tensors": TWO_BIG,
     "blocks": BLOCKS,
 }
-EARLY_CHECKS = ["+callbacks=[loss_spike,layer_health,moe_router,grad_monitor]"]
+# + the preflight probes and the batch-content rule (data_inspector; its train/val scan is another test's)
+EARLY_CHECKS = ["+callbacks=[loss_spike,layer_health,moe_router,grad_monitor,preflight,data_inspector]",
+                "callbacks.data_inspector.check_overlap=false"]
 
 
 @pytest.mark.parametrize("family", list(EARLY))
@@ -134,4 +136,4 @@ def test_early_step_priors_are_silent_on_healthy_families(family, tmp_path, shar
     loud = [r for r in records if r["severity"] != "info"]
     assert loud == [], json.dumps(loud, indent=1)[:4000]
     checked = {r["check"] for r in records}
-    assert {"loss_spike", "layer_health", "grad_monitor"} <= checked, checked
+    assert {"loss_spike", "layer_health", "grad_monitor", "preflight", "data_inspector"} <= checked, checked

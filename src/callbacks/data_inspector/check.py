@@ -51,6 +51,7 @@ Artifacts (``<run_dir>/data_inspector/``): ``first_batch_rank<r>.json`` (+ ``.pt
 | ``label_not_shifted`` | error | labels equal the inputs and the module does not shift |
 | ``labels_all_ignored`` | error | every label is the ignore index (-100): no loss signal |
 | ``workers`` / ``workers_unseeded`` | info / warning | how dataloader workers are seeded |
+| ``batch_unlike_the_others`` | warning | a training batch whose tokens are unlike the run's other batches: one token fills it (a zero-filled / padding-only shard) or its ids look random (a binary file, another tokenizer's ids); per rank, named one step after it trained (``batch_content.py``; ``check_batch_content``) |
 
 Metrics: none. Resume: nothing is carried over (``state_attrs`` is empty): each process records and
 checks its own data stream from its first batch.
@@ -69,8 +70,10 @@ import torch
 from dsdebug.callbacks.data_inspector.dataset_checks import DatasetChecks, _loader, _module_shifts
 from dsdebug.callbacks.data_inspector.fingerprint import (dataset_samples, fingerprint, input_ids_of, label_pattern,
                                                           sample_hashes)
-from dsdebug.config.args import boolean, integer, number, optional, string
 from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.data_inspector.batch_content import BatchContent
+from dsdebug.callbacks.grad_access import untrained_vocab
+from dsdebug.config.args import boolean, integer, number, optional, string
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 
@@ -84,7 +87,7 @@ class DataInspector(DatasetChecks, DebugCallback):
     def __init__(self, every_n_steps: int = 10, show_sequences: int = 2, max_chars: int = 300,
                  order_batches: int = 32, compare_with: str | None = None, check_overlap: bool = True,
                  overlap_ngram: int = 32, overlap_warn_fraction: float = 0.01, overlap_max_tokens: int = 5_000_000,
-                 on_error: str = "warn") -> None:
+                 check_batch_content: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error)
         self.check_args(
             every_n_steps=(every_n_steps, integer(1)),
@@ -94,6 +97,7 @@ class DataInspector(DatasetChecks, DebugCallback):
             overlap_ngram=(overlap_ngram, integer(0)),
             overlap_max_tokens=(overlap_max_tokens, integer(1)),
             check_overlap=(check_overlap, boolean()),
+            check_batch_content=(check_batch_content, boolean()),
             overlap_warn_fraction=(overlap_warn_fraction, number(0, 1)),
             compare_with=(compare_with, optional(string("latest, <run_dir>"))),
         )
@@ -112,6 +116,9 @@ class DataInspector(DatasetChecks, DebugCallback):
         self._dup_reported = False
         self._data_fp: str | None = None
         self._first_done = False
+        self.check_batch_content = check_batch_content
+        self._content = BatchContent() if check_batch_content else None
+        self._content_reported = 0
 
     def _dir(self, trainer: Any) -> Path:
         out = Path(trainer.default_root_dir) / "data_inspector"
@@ -168,12 +175,40 @@ class DataInspector(DatasetChecks, DebugCallback):
             if len(self._pending) >= self.every_n_steps:
                 self._gather(trainer)  # COLLECTIVE: every rank reaches it at the same batch count
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._content is None:
+            return
+        ids = input_ids_of(batch)
+        if ids is None or ids.is_floating_point():
+            return
+        if self._content.vocab is None:
+            self._content.vocab = max(int(untrained_vocab(trainer, pl_module) or 0), int(ids.max()) + 1)
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        # this batch's step: global_step has already counted its update here
+        found = self._content.measure(ids, labels, max(trainer.global_step - 1, 0),
+                                      trainer.fit_loop.epoch_loop.total_batch_idx)
+        self._report_content(trainer, found)
+
+    def _report_content(self, trainer: Any, found: list[dict]) -> None:
+        """Rank-local findings (this rank's data), at most five per run."""
+        for f in found:
+            self._content_reported += 1
+            if self._content_reported > 5:
+                return
+            message, advice = self._content.describe(f)
+            more = " (further ones are not reported)" if self._content_reported == 5 else ""
+            self.report(trainer, "warning", "batch_unlike_the_others",
+                        f"the training batch of step {f['step']} (batch index {f['batch_index']}): {message}{more}",
+                        advice, details=f, step=f["step"])
+
     def _fingerprint(self, ids: torch.Tensor) -> torch.Tensor:
         """Order-sensitive int64 hash of the batch (any dtype, by value), where it lives (no sync)."""
         fp, self._weights = fingerprint(ids, self._weights)
         return fp
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._content is not None:
+            self._report_content(trainer, self._content.flush())
         if trainer.world_size > 1:
             self._gather(trainer)  # COLLECTIVE: flush; every rank calls it once more
         if self.order_batches and not self._order_done and self._order:

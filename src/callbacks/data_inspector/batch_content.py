@@ -1,0 +1,101 @@
+"""What one training batch holds, against the run's other batches: a batch unlike them is corrupt data.
+
+A bad shard does not announce itself. A zero-filled file (or one of padding only) gives batches of one
+token; the bytes of a binary file, a wrong tokenizer or an id offset give uniform random ids. A model
+that has barely learnt has nearly the same loss on them as on text, so a loss-based rule cannot tell
+them from noise in the first steps. Their token statistics can, from the first batches on:
+
+- ``distinct``: distinct token ids / counted tokens (labels != -100). Text repeats its frequent tokens:
+  a KJV batch of 1,024 tokens has ~25-40 % distinct ids; uniform random ids over a 4,096 vocabulary have
+  ~88 %;
+- ``top``: the share of the most frequent token (text: a few %; a zero-filled batch: 100 %);
+- no counted token at all (every label -100: a padding-only batch) is named without history.
+
+A batch is judged against the median of the batches before it on this rank (at least ``min_history``):
+``distinct`` >= ``ratio`` x the median and + ``margin`` -> random-looking ids; ``top`` >= ``top_share``
+while the median is below half of it -> one token fills the batch. Random-token data (``data=synthetic``)
+is judged against its own batches, so it does not fire. Rank-local, no collective; the statistics are
+computed where the batch lives (a fixed-size count over the vocabulary: no host sync) and read one step
+later, so a batch is named one step after it was trained on.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+__all__ = ["BatchContent"]
+
+
+class BatchContent:
+    def __init__(self, min_history: int = 2, ratio: float = 1.8, margin: float = 0.2, top_share: float = 0.9,
+                 history: int = 64) -> None:
+        self.min_history, self.ratio, self.margin, self.top_share = min_history, ratio, margin, top_share
+        self.history = history
+        self.distinct: list[float] = []
+        self.top: list[float] = []
+        self._queued: tuple[torch.Tensor, int, int] | None = None  # (device [distinct, top, n], step, batch index)
+        self.vocab: int | None = None
+
+    def measure(self, ids: torch.Tensor, labels: torch.Tensor | None, step: int, index: int) -> list[dict]:
+        """Queue this batch's statistics (no sync) and judge the previous batch's (read now)."""
+        found = self.flush()
+        counted = ids if labels is None or labels.shape != ids.shape else ids[labels != -100]
+        flat = counted.reshape(-1).long()
+        if self.vocab is None:
+            self.vocab = int(ids.max()) + 1 if ids.numel() else 1  # one host read, at the first batch
+        vocab = max(self.vocab, 1)
+        counts = torch.zeros(vocab, device=flat.device, dtype=torch.float32)
+        counts.index_add_(0, flat.clamp(0, vocab - 1), torch.ones_like(flat, dtype=torch.float32))
+        n = counts.sum()
+        stats = torch.stack([(counts > 0).sum().float(), counts.max() if vocab else n, n])
+        self._queued = (stats, step, index)
+        return found
+
+    def flush(self) -> list[dict]:
+        """Judge the queued batch (a host read of three numbers)."""
+        if self._queued is None:
+            return []
+        stats, step, index = self._queued
+        self._queued = None
+        distinct, top, n = (float(x) for x in stats.tolist())
+        if n == 0:
+            return [{"step": step, "batch_index": index, "counted_tokens": 0, "kind": "no_tokens"}]
+        if n < 16:  # too few counted tokens to say anything
+            return []
+        d, t = distinct / n, top / n
+        found = self.judge(d, t, step, index, int(n))
+        self.distinct = (self.distinct + [d])[-self.history:]
+        self.top = (self.top + [t])[-self.history:]
+        return found
+
+    def judge(self, d: float, t: float, step: int, index: int, n: int) -> list[dict]:
+        if len(self.distinct) < self.min_history:
+            return []
+        med_d, med_t = statistics.median(self.distinct), statistics.median(self.top)
+        base = {"step": step, "batch_index": index, "counted_tokens": n, "distinct": round(d, 4),
+                "top_share": round(t, 4), "median_distinct": round(med_d, 4), "median_top_share": round(med_t, 4)}
+        if t >= self.top_share and med_t < self.top_share / 2:
+            return [{**base, "kind": "one_token"}]
+        if d >= self.ratio * med_d and d >= med_d + self.margin:
+            return [{**base, "kind": "random_ids"}]
+        return []
+
+    def describe(self, f: dict[str, Any]) -> tuple[str, str]:
+        """(message, advice) of a finding ``judge`` returned."""
+        if f["kind"] == "no_tokens":
+            return ("no token of the batch counts in the loss (every label is -100): a padding-only batch, or a "
+                    "label mask that hides everything", "find the samples behind this batch; check the label masking "
+                    "(-100) and the padding of the data pipeline")
+        if f["kind"] == "one_token":
+            return (f"one token fills {f['top_share']:.0%} of the batch's {f['counted_tokens']} counted tokens (the "
+                    f"run's batches so far: median {f['median_top_share']:.0%}): a zero-filled or padding-only shard",
+                    "find the sample/shard behind this batch (data_inspector/first_batch shows how batches are built; "
+                    "debug=data saves them); check the files for zero-filled or truncated ones")
+        return (f"{f['distinct']:.0%} of the batch's {f['counted_tokens']} counted tokens are distinct ids, "
+                f"{f['distinct'] / max(f['median_distinct'], 1e-9):.1f}x the run's median ({f['median_distinct']:.0%}): "
+                "random-looking ids, not text (a binary file read as tokens, another tokenizer's ids, an id offset)",
+                "find the shard behind this batch; decode it (the tokenizer's decode) and look; check the tokenizer "
+                "the data was prepared with")
