@@ -25,6 +25,7 @@ from dsdebug.config.global_batch import check_global_batch_size
 from dsdebug.distributed.launch_env import check_launcher_matches
 from dsdebug.config.targets import check_targets
 from dsdebug.config.callback_args import check_callback_args
+from dsdebug.models.ckpt_mode import checkpointing_mode
 from dsdebug.config.tokenizer_check import check_tokenizer
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -94,6 +95,7 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such file or directory")
     _validate_data(cfg.data)
     _check_moe_aux_coef(cfg.model)
+    checkpointing_mode(cfg.model.get("gradient_checkpointing"))  # a ConfigError naming the key, before torch
     _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
     check_targets(cfg)

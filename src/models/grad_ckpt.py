@@ -35,26 +35,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dsdebug.errors import ConfigError
+from dsdebug.models.ckpt_mode import KEY, MODES, checkpointing_mode
 
 __all__ = ["MODES", "CKPT_ATTR", "checkpointing_mode", "enable_gradient_checkpointing", "checkpointed_blocks",
            "checkpointing_suspended"]
 
-MODES = ("reentrant", "non_reentrant")
 #: attribute set on every checkpointed block: "reentrant" | "non_reentrant"
 CKPT_ATTR = "dsdebug_checkpointing"
 _PLAIN_FORWARD = "_dsdebug_plain_forward"  # the generic wrapper keeps the block's own forward here
-_KEY = "model.gradient_checkpointing"
-
-
-def checkpointing_mode(value: Any) -> str | None:
-    """``model.gradient_checkpointing`` -> None (off), "reentrant" or "non_reentrant"; else ConfigError."""
-    if value is None or value is False or (isinstance(value, str) and value.lower() in ("false", "off", "none")):
-        return None
-    if value is True or (isinstance(value, str) and value.lower() in ("true", "on")):
-        return "non_reentrant"
-    if isinstance(value, str) and value.lower() in MODES:
-        return value.lower()
-    raise ConfigError(f"{_KEY}={value!r} is invalid; valid: false, true (= non_reentrant), reentrant, non_reentrant")
+_KEY = KEY
 
 
 def enable_gradient_checkpointing(net: nn.Module, value: Any) -> list[str]:

@@ -76,6 +76,9 @@ CASES = {
                                      "valid: data.vocab_size<=4096"]),
     "global_batch_not_divisible": (["trainer=ddp_sim", "data.global_batch_size=9"],
                                    ["data.global_batch_size=9", "world size 2", "valid: a multiple of 2 (e.g. 8 or 10)"]),
+    "gradient_checkpointing_unknown": (["model.gradient_checkpointing=maybe"],
+                                       ["model.gradient_checkpointing='maybe' is invalid; valid: false, true "
+                                        "(= non_reentrant), reentrant, non_reentrant"]),
 }
 
 
