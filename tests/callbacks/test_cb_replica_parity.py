@@ -165,3 +165,13 @@ def test_zero3_silent_while_healthy_then_names_a_persistent_param_written_on_ran
     assert div["rank"] == 1 and div["details"]["names"] == [norm] and "last equal at step 2" in div["message"]
     details = one(found, "parity_summary")["details"]
     assert details["checks"] == 6 and details["zero3_partitioned_not_compared"] > 0
+
+
+def test_ddp_batchnorm_statistics_are_not_a_divergence(tmp_path, shared_cache):
+    """BatchNorm's running statistics differ per rank after each step; DDP (broadcast_buffers=True)
+    copies rank 0's to every rank at the next forward: not a drift (was a buffer_divergence warning)."""
+    found = _run([*BASE, "strategy=ddp", "model.net._target_=tests.planted.doctor_nets.BatchNormLM",
+                  "trainer.max_steps=3"], tmp_path, shared_cache)
+    assert _loud(found) == [], _loud(found)
+    summary = one(found, "parity_summary")
+    assert summary["details"]["checks"] >= 3 and summary["details"]["divergent_at_end"] == {}

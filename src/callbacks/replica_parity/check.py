@@ -92,7 +92,7 @@ class ReplicaParity(DebugCallback):
     |---|---|---|
     | ``replica_divergence`` | error | a parameter differs across ranks: names the first rank that differs, the first parameter (module order), the step last equal |
     | ``optimizer_state_divergence`` | error | LR, optimizer step count, loss scale or last grad norm differs |
-    | ``buffer_divergence`` | warning | a buffer differs (BatchNorm running stats differ per rank by design without SyncBatchNorm) |
+    | ``buffer_divergence`` | warning | a buffer differs (BatchNorm running stats differ per rank by design without SyncBatchNorm); not compared under DDP with ``broadcast_buffers=True``, which copies rank 0's at every forward |
     | ``config_hash_mismatch`` | warning | the resolved config or the seed differs (e.g. a resume with other overrides on some ranks) |
     | ``replicas_equal_again`` | info | a divergence is gone (ZeRO-1/2 re-gathers the weights every step) |
     | ``parity_summary`` | info | at the end: checks, what was compared, time per check, divergences |
@@ -136,7 +136,14 @@ class ReplicaParity(DebugCallback):
                 partitioned += 1  # one owner per slice: no replica to compare
                 continue
             self._entries.append(("param", display_name(n), (lambda p=p: p.data)))
-        if self.buffers:
+        model = getattr(trainer.strategy, "model", None)
+        broadcast = isinstance(model, torch.nn.parallel.DistributedDataParallel) and bool(model.broadcast_buffers)
+        if self.buffers and broadcast:
+            # DDP copies rank 0's buffers to every rank at each training forward: BatchNorm statistics that
+            # differ after a step are overwritten before the next one (and rank 0's are saved) -- not a drift
+            log.info("replica_parity: buffers not compared (DDP broadcast_buffers=True copies rank 0's at every "
+                     "forward)")
+        elif self.buffers:
             self._entries += [("buffer", display_name(n), (lambda b=b: b)) for n, b in pl_module.named_buffers()]
         self._entries += self._scalar_entries(trainer)
         self._partitioned = partitioned
