@@ -63,7 +63,8 @@ CHECK_CLASSES = {"reproducibility": "Reproducibility", "comm_debug": "CommDebug"
                  "loss_spike": "LossSpike", "layer_health": "LayerHealth", "moe_router": "MoERouter",
                  "memory": "MemoryMonitor", "throughput": "Throughput", "mixed_precision": "MixedPrecisionCheck",
                  "nan_triage": "NaNTriage", "grad_scale": "GradScaleCheck", "consistency": "ConsistencyCheck",
-                 "outcome_monitor": "OutcomeMonitor", "model_graph": "ModelGraph"}
+                 "outcome_monitor": "OutcomeMonitor", "model_graph": "ModelGraph", "preflight": "Preflight",
+                 "packing": "PackingCheck"}
 
 
 def in_plain_words(finding: dict[str, Any]) -> dict[str, Any]:
