@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.config.args import boolean, subset_of
+from dsdebug.config.args import boolean, integer, subset_of
 from dsdebug.probes.causality import causality
 from dsdebug.probes.init_loss import init_loss
 from dsdebug.probes.on_the_run import probe_agreed, untouched
@@ -51,7 +51,8 @@ class Preflight(DebugCallback):
     Ranks: every rank runs every probe, with the same number of forwards (under ZeRO-3 each forward
     gathers parameters: a collective), agrees on failures (one all-reduce) and gathers the results (one
     all_gather_object) at the first batch; rank 0 reports. Nothing after the first batch: the cost is a
-    one-off ~8 forwards without gradients.
+    one-off ~8 forwards without gradients of the first ``samples`` rows of this rank's batch (2 of 8 on
+    the default run: 0.19 s of a 300-step run's ~84 s on 1 CPU rank).
 
     Example::
 
@@ -70,13 +71,14 @@ class Preflight(DebugCallback):
 
     def __init__(self, probes: list[str] | tuple[str, ...] = ("init_loss", "causality", "sample_independence",
                                                               "train_eval", "plan"),
-                 on_resume: bool = False) -> None:
+                 on_resume: bool = False, samples: int = 2) -> None:
         super().__init__()
         self.check_args(
             probes=(probes, subset_of("init_loss", "causality", "sample_independence", "train_eval", "plan")),
             on_resume=(on_resume, boolean()),
+            samples=(samples, integer(2)),
         )
-        self.probes, self.on_resume = tuple(probes), on_resume
+        self.probes, self.on_resume, self.samples = tuple(probes), on_resume, samples
         self._done = False
         self.results: list[ProbeResult] = []
 
@@ -112,7 +114,11 @@ class Preflight(DebugCallback):
     def run_probes(self, trainer: Any, pl_module: Any, net: torch.nn.Module, batch: dict,
                    resumed: bool) -> list[ProbeResult]:
         """The probes on this rank, twice for the ones any rank failed (then with a module trace)."""
-        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        full = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        rows = int(full["input_ids"].shape[0])
+        # the first `samples` rows: each probe's forwards cost that share of the batch's; the plan reads the
+        # whole batch (its size, the label fraction)
+        batch = {k: v[: self.samples] if v.dim() and v.shape[0] == rows else v for k, v in full.items()}
         pretrained = bool(getattr(net, "name_or_path", "") or
                           getattr(getattr(net, "config", None), "_name_or_path", ""))
         calls: dict[str, Callable[[bool], ProbeResult]] = {
@@ -122,7 +128,7 @@ class Preflight(DebugCallback):
             "sample_independence": lambda locate: _no_dropout(net, lambda: sample_independence(
                 net, batch, locate=locate, grads=False)),
             "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate),
-            "plan": lambda locate: plan_of_run(trainer, pl_module, batch),
+            "plan": lambda locate: plan_of_run(trainer, pl_module, full),
         }
         names = [n for n in self.probes if not (n == "init_loss" and resumed)]
         any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
