@@ -67,6 +67,22 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0)
             b, free = len(bins), seq_len
             bins.append([piece])
         heapq.heappush(by_room[free - need], b)
+    return _rows(bins, seq_len, pad_id)
+
+
+def one_document_per_row(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Every document (pieces of at most ``seq_len``) in a row of its own, padded at the end: the rows a
+    token-budget batch groups by length when documents are not packed. Same tensors as ``pack_documents``."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    pieces = [list(d[i:i + seq_len]) for d in docs if len(d) for i in range(0, len(d), seq_len)]
+    return _rows([[piece] for piece in pieces], seq_len, pad_id)
+
+
+def _rows(bins: Sequence[Sequence[Sequence[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One row per bin, its documents one after the other, padded at the end: input_ids, labels (-100 on
+    padding and on each document's first token), position_ids (0 at each document start), doc_ids (-1 =
+    padding)."""
     n = len(bins)
     input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), -100, dtype=torch.long)
@@ -82,26 +98,6 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0)
             position_ids[row, span] = torch.arange(len(piece))
             doc_ids[row, span] = k
             at += len(piece)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
-
-
-def one_document_per_row(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Every document (pieces of at most ``seq_len``) in a row of its own, padded at the end: the rows a
-    token-budget batch groups by length when documents are not packed. Same tensors as ``pack_documents``."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    pieces = [list(d[i:i + seq_len]) for d in docs if len(d) for i in range(0, len(d), seq_len)]
-    n = len(pieces)
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((n, seq_len), -100, dtype=torch.long)
-    position_ids = torch.zeros((n, seq_len), dtype=torch.long)
-    doc_ids = torch.full((n, seq_len), -1, dtype=torch.long)
-    for row, piece in enumerate(pieces):
-        span = slice(0, len(piece))
-        input_ids[row, span] = labels[row, span] = torch.tensor(piece)
-        labels[row, 0] = -100
-        position_ids[row, span] = torch.arange(len(piece))
-        doc_ids[row, span] = 0
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
 
 
