@@ -15,7 +15,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import untrained_vocab
 from dsdebug.config.args import boolean, integer, number
 from dsdebug.probes.causality import causality
-from dsdebug.probes.on_the_run import probe_agreed, untouched
+from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
 from dsdebug.probes.result import ProbeResult
 from dsdebug.probes.train_eval import train_eval
 
@@ -203,13 +203,16 @@ class OutcomeMonitor(DebugCallback):
         net, batch = getattr(pl_module, "net", None), self._batch
         if not isinstance(net, torch.nn.Module) or batch is None:
             return  # alike on every rank: the same module class, a training batch on each
-        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        batch = first_rows(batch, 2)  # the probe's forwards (and its module trace) on 2 rows, as preflight's
         shifts = bool(getattr(pl_module, "shifts_labels", True))
         calls = {"causality": lambda locate: causality(net, batch, shifts_labels=shifts, locate=locate),
                  "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate)}
         any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))
+        if any_rank(batch["input_ids"].dim() < 2 or int(batch["input_ids"].shape[1]) < 2):  # COLLECTIVE
+            return  # a rank's sequences hold 1 token: the probes would skip there and not elsewhere
         with untouched(net):
-            results = [probe_agreed(name, calls[name], any_rank) for name in wanted]  # COLLECTIVE
+            results = [probe_agreed(name, calls[name], any_rank, collective) for name in wanted]  # COLLECTIVE
         for r in results:
             self._reported.append(f"{r.probe}_on_the_spot")
             if trainer.global_rank == 0:

@@ -13,6 +13,8 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.config.args import integer, number
 from dsdebug.data.packing import cross_document_change, padding_fraction, positions_not_reset
+from dsdebug.probes.on_the_run import untouched
+from dsdebug.probes.train_eval import dropout_off
 
 __all__ = ["PackingCheck"]
 
@@ -129,8 +131,11 @@ class PackingCheck(DebugCallback):
         inputs = getattr(pl_module, "net_inputs", lambda b: {"input_ids": b["input_ids"]})
         vocab = getattr(getattr(net, "config", None), "vocab_size", None)
         try:
-            return cross_document_change(net, batch, row, doc, forward=lambda one: net(**inputs(one)),
-                                         vocab_size=vocab, per_document=True)
+            # without gradients, dropout off, and the run's RNG, buffers and modes put back: two forwards that
+            # differ only in document `doc`, and nothing the run trains changes
+            with untouched(net), dropout_off(net):
+                return cross_document_change(net, batch, row, doc, forward=lambda one: net(**inputs(one)),
+                                             vocab_size=vocab, per_document=True)
         finally:
             moe = getattr(pl_module, "moe", None)  # the probe's router records must not count in the next step
             if getattr(moe, "capture", None) is not None:

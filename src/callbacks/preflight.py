@@ -14,7 +14,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.config.args import boolean, integer, subset_of
 from dsdebug.probes.causality import causality
 from dsdebug.probes.init_loss import init_loss
-from dsdebug.probes.on_the_run import probe_agreed, untouched
+from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
 from dsdebug.probes.plan import plan_of_run
 from dsdebug.probes.ranks import gather, merge
 from dsdebug.probes.result import ProbeResult
@@ -49,10 +49,12 @@ class Preflight(DebugCallback):
     those (``python train.py <overrides> doctor=true``).
 
     Ranks: every rank runs every probe, with the same number of forwards (under ZeRO-3 each forward
-    gathers parameters: a collective), agrees on failures (one all-reduce) and gathers the results (one
-    all_gather_object) at the first batch; rank 0 reports. Nothing after the first batch: the cost is a
+    gathers parameters: a collective), agrees on the probes to skip (a rank with a 1-row batch) and on each
+    probe's failure (an all-reduce each, up to 7) and gathers the results (one all_gather_object) at the
+    first batch; under ZeRO-3 a probe that raises is raised, not skipped (its rank would leave the gathers); rank 0 reports. Nothing after the first batch: the cost is a
     one-off ~8 forwards without gradients of the first ``samples`` rows of this rank's batch (2 of 8 on
-    the default run: 0.19 s of a 300-step run's ~84 s on 1 CPU rank).
+    the default run: 0.19 s of a 300-step run's ~84 s on 1 CPU rank), plus the plan's walk of the LR
+    schedule over every step of the run (~20 us a step: 2 s for a 100k-step run).
 
     Example::
 
@@ -115,10 +117,9 @@ class Preflight(DebugCallback):
                    resumed: bool) -> list[ProbeResult]:
         """The probes on this rank, twice for the ones any rank failed (then with a module trace)."""
         full = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        rows = int(full["input_ids"].shape[0])
         # the first `samples` rows: each probe's forwards cost that share of the batch's; the plan reads the
         # whole batch (its size, the label fraction)
-        batch = {k: v[: self.samples] if v.dim() and v.shape[0] == rows else v for k, v in full.items()}
+        batch = first_rows(full, self.samples)
         pretrained = bool(getattr(net, "name_or_path", "") or
                           getattr(getattr(net, "config", None), "_name_or_path", ""))
         calls: dict[str, Callable[[bool], ProbeResult]] = {
@@ -132,8 +133,21 @@ class Preflight(DebugCallback):
         }
         names = [n for n in self.probes if not (n == "init_loss" and resumed)]
         any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        # a probe that skips on one rank (a batch of 1 row, a sequence of 1 token: token-budget batches vary
+        # per rank) would make fewer forwards there: decided together, before any forward (COLLECTIVE)
+        ids = batch["input_ids"]
+        skipped = {}
+        if "sample_independence" in names and any_rank(int(ids.shape[0]) < 2):
+            skipped["sample_independence"] = "a rank's batch has 1 row: nothing to compare it with"
+        if any_rank(ids.dim() < 2 or int(ids.shape[1]) < 2):
+            skipped.update({n: "a rank's sequences hold 1 token" for n in names if n != "plan"})
+        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))
+        out = []
         with untouched(net):
-            return [probe_agreed(n, calls[n], any_rank) for n in names]  # COLLECTIVE: same calls on every rank
+            for n in names:  # COLLECTIVE: the same calls, in the same order, on every rank
+                out.append(ProbeResult(n, "skip", skipped[n]) if n in skipped else
+                           probe_agreed(n, calls[n], any_rank, collective))
+        return out
 
     def _report(self, trainer: Any, seconds: float) -> None:
         if trainer.global_rank != 0:

@@ -201,6 +201,10 @@ def _validate_documents(data: DictConfig, synthetic: bool) -> None:
     if rule != "none" and budget is None:
         raise ConfigError(f"data.token_budget_lr={rule} needs data.token_budget=<tokens>; "
                           "valid: data.token_budget_lr=none, or set data.token_budget")
+    if budget is not None and data.get("global_batch_size") is not None:
+        raise ConfigError(f"data.global_batch_size={data.global_batch_size} does not apply with data.token_budget="
+                          f"{budget}: a step's batches are cut by tokens, their row count varies; valid: leave "
+                          "data.global_batch_size unset (data.batch_size is the validation batch)")
     if (packing or budget is not None) and synthetic:
         key = "data.packing=true" if packing else "data.token_budget"
         raise ConfigError(f"{key}: a synthetic source has no documents to pack or batch by length; "

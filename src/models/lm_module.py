@@ -98,6 +98,7 @@ class CausalLMModule(L.LightningModule):
         self._takes: frozenset[str] | None = None
         self._global_loss: torch.Tensor | None = None
         self.step_tokens = 0
+        self._micro_tokens = 0  # this micro-batch's tokens, counted into step_tokens after its backward
         self.last_step_tokens: int | None = None
         self.last_lr_scale: float | None = None
         self._skip_undo: Callable[[], None] | None = None
@@ -163,13 +164,15 @@ class CausalLMModule(L.LightningModule):
         the step's loss is (sum of token losses) / (tokens counted on ALL ranks), not a mean of the ranks'
         means. EVERY rank, every training step: ONE all-reduce of 3 numbers (sum, counted, non-padding).
         The gradient averaging over ranks (DDP, DeepSpeed) divides by the world size: x world undoes it.
-        Logged train/loss: the global mean. With accumulation each micro-batch is its own mean."""
+        Logged train/loss: the global mean. With accumulation (Lightning's or DeepSpeed's) each micro-batch is
+        its own global mean and the k micro-batches are averaged: a micro-batch with fewer tokens weighs more
+        per token (the exact step mean would need every micro-batch's count before the first backward)."""
         total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
         counted = (targets != -100).sum()
         local = torch.stack([total.detach(), counted.to(total.dtype), (doc_ids >= 0).sum().to(total.dtype)])
         world = self.trainer.world_size if self._trainer is not None else 1
         glob = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local
-        self.step_tokens += int(glob[2])
+        self._micro_tokens = int(glob[2])  # set, not added: a check's replayed forward must not count twice
         self._global_loss = glob[0] / glob[1].clamp(min=1)
         return total * world / glob[1].clamp(min=1)
 
@@ -181,7 +184,9 @@ class CausalLMModule(L.LightningModule):
         self.log("train/loss", shown, on_step=True, prog_bar=True)
         if aux is not None:
             self.log("train/aux_loss", aux.detach(), on_step=True)
-            self.log("train/loss_total", total.detach(), on_step=True)
+            # document rows: `loss` is this rank's share x world (see _global_token_mean), not a loss
+            shown_total = shown + self.moe.coef * aux.detach().to(shown.device) if "doc_ids" in batch else total.detach()
+            self.log("train/loss_total", shown_total, on_step=True)
         if moe is not None and moe.load is not None:
             self.log("moe/load_imbalance", moe.imbalance, on_step=True)
             if self._logs_this_step():  # per decoder layer and expert, for the report's heatmap
@@ -213,6 +218,11 @@ class CausalLMModule(L.LightningModule):
         self.log("val/ppl", torch.exp(val_loss.clamp(max=20.0)), sync_dist=True)
 
     # ---- skip policy: drop this step's update when a check asked for it --------------
+    def on_after_backward(self) -> None:
+        # a micro-batch that trains has a backward; a check's replayed forward (reproducibility) has none
+        self.step_tokens += self._micro_tokens
+        self._micro_tokens = 0
+
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         # Lightning calls this after every callback's on_before_optimizer_step and before
         # clipping and the update (inside optimizer.step): the last point where a skip can act.

@@ -8,7 +8,10 @@ makes the same forwards.
   to name it. ``any_rank(flag) -> bool`` is the run's agreement (an all-reduce): COLLECTIVE, every rank
   calls it once or twice alike. Under ZeRO-3 each forward gathers parameters: every rank must run the
   same probes in the same order.
-- A probe that raises is a ``skip`` naming the error: a check must not crash the run it checks.
+- A probe that raises is a ``skip`` naming the error: a check must not crash the run it checks -- unless
+  ``collective`` (ZeRO-3: each forward gathers parameters): a rank that left the probe half-way would
+  leave the others waiting in the next gather, so the error is raised (the run would meet it too).
+- A failure stays a failure: the traced rerun replaces it only with its own (culprit-naming) failure.
 """
 
 from __future__ import annotations
@@ -42,11 +45,15 @@ def untouched(net: torch.nn.Module) -> Iterator[None]:
                 m.training = training
 
 
-def guarded(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
+def guarded(name: str, fn: Callable[[], ProbeResult], collective: bool = False) -> ProbeResult:
     started = time.perf_counter()
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - a probe must not crash the run it checks
+        if collective:
+            log.error("probe %s raised %s on this rank inside a collective forward; raising it (the other ranks "
+                      "are in the same probe)", name, type(e).__name__)
+            raise
         log.debug("probe %s raised", name, exc_info=True)
         result = ProbeResult(name, "skip", f"the probe could not run: {type(e).__name__}: "
                              f"{' '.join(str(e).split())[:200]}")
@@ -54,11 +61,20 @@ def guarded(name: str, fn: Callable[[], ProbeResult]) -> ProbeResult:
     return result
 
 
-def probe_agreed(name: str, call: Callable[[bool], ProbeResult], any_rank: Callable[[bool], bool]) -> ProbeResult:
-    result = guarded(name, lambda: call(False))
+def probe_agreed(name: str, call: Callable[[bool], ProbeResult], any_rank: Callable[[bool], bool],
+                 collective: bool = False) -> ProbeResult:
+    result = guarded(name, lambda: call(False), collective)
     unnamed = result.status == "fail" and result.culprit in ("", "<net>")
     if any_rank(unnamed):  # COLLECTIVE
-        again = guarded(name, lambda: call(True))
-        if result.status == "fail":
+        again = guarded(name, lambda: call(True), collective)
+        if result.status == "fail" and again.status == "fail":
             result = again
     return result
+
+
+def first_rows(batch: dict, rows: int) -> dict:
+    """The batch's tensors, cut to their first ``rows`` rows where they are per-row (same leading size as
+    ``input_ids``): the probes' forwards cost that share of the batch's."""
+    full = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    n = int(full["input_ids"].shape[0])
+    return {k: v[:rows] if v.dim() and v.shape[0] == n else v for k, v in full.items()}

@@ -134,6 +134,11 @@ def test_batch_content_rules_on_numbers():
     labels = torch.full((8, 128), -100)
     text.measure(zipf.sample((8, 128)), labels, 6, 6)
     assert [f["kind"] for f in text.flush()] == ["no_tokens"]
+    short = BatchContent()  # a short text batch among long ones has more distinct ids: no evidence of random ids
+    for step in range(6):
+        short.measure(zipf.sample((8, 256)), None, step, step)
+    short.measure(zipf.sample((1, 128)), None, 6, 6)
+    assert short.flush() == [] and short.distinct[-1] > 1.8 * short.distinct[0]
     synthetic = BatchContent()  # random-token data judged against its own batches: silent
     for step in range(6):
         assert synthetic.measure(torch.randint(0, 4096, (8, 128), generator=g), None, step, step) == []

@@ -157,3 +157,41 @@ def test_two_process_runs_pass_the_probes_on_every_rank(strategy, tmp_path_facto
     assert {name: p["status"] for name, p in probes.items()} == {
         "init_loss": "pass", "causality": "pass", "sample_independence": "pass", "train_eval": "pass",
         "plan": "pass"}, probes
+
+
+def test_every_rank_makes_the_same_forwards_when_one_rank_has_a_one_row_batch():
+    """Token-budget batches vary per rank: rank 0 with 2 rows, rank 1 with 1. Under ZeRO-3 each forward is
+    a collective, so the skip is agreed before any forward and both ranks make the same forwards."""
+    from types import SimpleNamespace
+
+    def forwards(rows: int) -> int:
+        torch.manual_seed(0)
+        net = planted.TinyCausalLM(vocab_size=V)
+        calls = []
+        net.register_forward_hook(lambda *a: calls.append(1))
+        # the other rank's own answers to the agreed questions: "1 row?", "1 token?", then "probe failed?"
+        other = iter([rows == 2, False] + [False] * 8)
+        strategy = SimpleNamespace(reduce_boolean_decision=lambda flag, all=True: bool(flag) or next(other))
+        trainer = SimpleNamespace(strategy=strategy, global_step=0)
+        ids = torch.randint(0, V, (rows, 16))
+        check = Preflight(probes=["init_loss", "causality", "sample_independence", "train_eval"])
+        results = check.run_probes(trainer, SimpleNamespace(net=net), net, {"input_ids": ids, "labels": ids}, False)
+        assert {r.probe: r.status for r in results}["sample_independence"] == "skip", results
+        return len(calls)
+
+    assert forwards(2) == forwards(1)
+
+
+def test_a_failure_is_not_lost_when_the_traced_rerun_cannot_run_and_zero3_raises():
+    from dsdebug.probes.on_the_run import probe_agreed
+    from dsdebug.probes.result import ProbeResult
+
+    def call(locate: bool) -> ProbeResult:
+        if locate:
+            raise MemoryError("the module trace does not fit")
+        return ProbeResult("causality", "fail", "the output at position 3 changes", "<net>")
+
+    kept = probe_agreed("causality", call, any_rank=lambda flag: flag)
+    assert kept.status == "fail" and kept.culprit == "<net>", kept
+    with pytest.raises(MemoryError):  # ZeRO-3: a rank leaving the probe's forwards would hang the others
+        probe_agreed("causality", call, any_rank=lambda flag: flag, collective=True)

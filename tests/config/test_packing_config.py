@@ -26,6 +26,8 @@ CASES = {
                                        "data.token_budget_lr=sqrt needs data.token_budget=<tokens>"),
     "packing_on_synthetic": (["data=synthetic", "data.packing=true"],
                              "data.packing=true: a synthetic source has no documents to pack"),
+    "global_batch_with_token_budget": (["data.token_budget=1024", "data.global_batch_size=16"],
+                                       "data.global_batch_size=16 does not apply with data.token_budget=1024"),
 }
 
 
