@@ -6,6 +6,7 @@ The config example and the table of findings: the class docstring (`OutcomeMonit
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -207,7 +208,7 @@ class OutcomeMonitor(DebugCallback):
         shifts = bool(getattr(pl_module, "shifts_labels", True))
         calls = {"causality": lambda locate: causality(net, batch, shifts_labels=shifts, locate=locate),
                  "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate)}
-        any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        any_rank = functools.partial(self.any_rank, trainer)
         collective = bool(getattr(trainer.strategy, "zero_stage_3", False))
         if any_rank(batch["input_ids"].dim() < 2 or int(batch["input_ids"].shape[1]) < 2):  # COLLECTIVE
             return  # a rank's sequences hold 1 token: the probes would skip there and not elsewhere

@@ -5,6 +5,7 @@ The config example and the table of findings: the class docstring (`Preflight`).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -23,7 +24,6 @@ from dsdebug.probes.train_eval import dropout_off, train_eval
 
 __all__ = ["Preflight"]
 
-_SEVERITY = {"fail": "error", "warn": "warning"}
 
 
 class Preflight(DebugCallback):
@@ -132,7 +132,7 @@ class Preflight(DebugCallback):
             "plan": lambda locate: plan_of_run(trainer, pl_module, full),
         }
         names = [n for n in self.probes if not (n == "init_loss" and resumed)]
-        any_rank = lambda flag: bool(trainer.strategy.reduce_boolean_decision(flag, all=False))  # noqa: E731
+        any_rank = functools.partial(self.any_rank, trainer)
         # a probe that skips on one rank (a batch of 1 row, a sequence of 1 token: token-budget batches vary
         # per rank) would make fewer forwards there: decided together, before any forward (COLLECTIVE)
         ids = batch["input_ids"]
@@ -153,11 +153,9 @@ class Preflight(DebugCallback):
         if trainer.global_rank != 0:
             return
         for r in self.results:
-            if r.status in _SEVERITY:
-                culprit = f" [{r.culprit}]" if r.culprit else ""
-                self.report(trainer, _SEVERITY[r.status], r.probe, f"{r.status.upper()} {r.probe}{culprit}: "
-                            f"{r.message}", r.advice, details={"status": r.status, "culprit": r.culprit,
-                                                               "seconds": r.seconds, **r.details},
+            if r.severity != "info":  # a pass or skip is one word of the summary line
+                self.report(trainer, r.severity, r.probe, r.line(), r.advice,
+                            details={"status": r.status, "culprit": r.culprit, "seconds": r.seconds, **r.details},
                             rank=r.details.get("rank"), step=0)
         line = ", ".join(f"{r.probe} {r.status}" for r in self.results)
         self.report(trainer, "info", "preflight_summary", f"preflight on the first batch in {seconds:.2f} s: {line}",

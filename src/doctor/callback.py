@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 
 ORDER = ("collectives", "init_loss", "causality", "sample_independence", "train_eval", "coverage", "plan", "memory",
          "overfit", "checkpoint")
-_SEVERITY = {"fail": "error", "warn": "warning", "pass": "info", "skip": "info"}
 
 
 class DoctorCallback(DebugCallback):
@@ -90,7 +89,7 @@ class DoctorCallback(DebugCallback):
         self.results = merge(gather(mine), trainer.world_size)  # COLLECTIVE
         for r in self.results:  # decided alike on every rank; rank 0 writes
             if trainer.global_rank == 0:
-                self.report(trainer, _SEVERITY[r.status], r.probe, _line(r), r.advice if r.status in ("fail", "warn")
+                self.report(trainer, r.severity, r.probe, r.line(), r.advice if r.status in ("fail", "warn")
                             else "", details={"status": r.status, "culprit": r.culprit, "seconds": r.seconds,
                                               **r.details}, rank=r.details.get("rank"), step=None)
         if self.stop:
@@ -268,9 +267,3 @@ def _guard_value(fn: Callable[[], Any], collective: bool = False) -> Any:
             raise
         log.warning("doctor: could not copy the net for the local probes", exc_info=True)
         return None
-
-
-def _line(r: ProbeResult) -> str:
-    head = f"{r.status.upper()} {r.probe}"
-    culprit = f" [{r.culprit}]" if r.culprit else ""
-    return f"{head}{culprit}: {r.message}"

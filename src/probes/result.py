@@ -9,6 +9,7 @@ from typing import Any, Callable
 __all__ = ["ProbeResult", "STATUSES", "timed"]
 
 STATUSES = ("pass", "warn", "fail", "skip")
+_SEVERITY = {"fail": "error", "warn": "warning", "pass": "info", "skip": "info"}
 
 
 @dataclass
@@ -31,6 +32,16 @@ class ProbeResult:
     @property
     def failed(self) -> bool:
         return self.status == "fail"
+
+    @property
+    def severity(self) -> str:
+        """The finding's severity: fail -> error, warn -> warning, pass/skip -> info."""
+        return _SEVERITY[self.status]
+
+    def line(self) -> str:
+        """``FAIL causality [attn]: <message>``: the finding's message."""
+        culprit = f" [{self.culprit}]" if self.culprit else ""
+        return f"{self.status.upper()} {self.probe}{culprit}: {self.message}"
 
 
 def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ProbeResult:

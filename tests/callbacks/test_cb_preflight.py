@@ -171,8 +171,9 @@ def test_every_rank_makes_the_same_forwards_when_one_rank_has_a_one_row_batch():
         net.register_forward_hook(lambda *a: calls.append(1))
         # the other rank's own answers to the agreed questions: "1 row?", "1 token?", then "probe failed?"
         other = iter([rows == 2, False] + [False] * 8)
-        strategy = SimpleNamespace(reduce_boolean_decision=lambda flag, all=True: bool(flag) or next(other))
-        trainer = SimpleNamespace(strategy=strategy, global_step=0)
+        strategy = SimpleNamespace(root_device=torch.device("cpu"),  # any_rank: a max-reduce of each rank's flag
+                                   reduce=lambda t, reduce_op: torch.maximum(t, torch.tensor([float(next(other))])))
+        trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=2)
         ids = torch.randint(0, V, (rows, 16))
         check = Preflight(probes=["init_loss", "causality", "sample_independence", "train_eval"])
         results = check.run_probes(trainer, SimpleNamespace(net=net), net, {"input_ids": ids, "labels": ids}, False)
