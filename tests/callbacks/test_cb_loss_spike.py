@@ -93,6 +93,9 @@ def test_early_steps_judged_against_an_untrained_models_loss_then_a_short_histor
     assert not w.judge(7.2, 0.8)["spike"]  # a bounce within the noise
     v = w.judge(8.9, 0.8)  # +27% on the median 7.0 and back above ln(vocab): worse than an untrained model (corrupt batch)
     assert v["spike"] and "back above an untrained model's" in v["why"]
+    for gnorm in (None, 3.0):  # a verdict before any history has every key the late one has (policy=warn reads them)
+        assert {"grad_norm", "grad_ratio", "z", "jump", "mad", "median"} <= set(
+            SpikeWindow(50, 20, 6.0, 0.25, None, prior=lnv).judge(36.7, gnorm))
     unknown = SpikeWindow(window=50, warmup_steps=20, z_threshold=6.0, min_rel_jump=0.25, grad_ratio=None)
     assert not unknown.judge(36.7, None)["spike"]  # no prior (not an LM): step 0 is not judged
     for step in range(3):
@@ -104,6 +107,10 @@ EARLY_SPIKES = {  # planted bug -> its overrides (tests/planted/early.py, spike.
     ("logits_x20", 3): ["+callbacks.plant._target_=tests.planted.spike.SpikeLoss", "+callbacks.plant.steps=[3]"],
     ("lr_x1000", 8): ["+callbacks.plant._target_=tests.planted.early.LRBlowUp", "+callbacks.plant.step=8"],
     ("loss_scale_x1000", 12): ["+callbacks.plant._target_=tests.planted.early.LossScale", "+callbacks.plant.step=12"],
+    # debug=light's setting (the loss alone): a spike before any history, policy=warn, finite loss. This
+    # raised KeyError 'grad_norm' inside the check and killed `python train.py optim.lr=3.0` (issue 32)
+    ("logits_x20_loss_only", 0): ["+callbacks.plant._target_=tests.planted.spike.SpikeLoss", "+callbacks.plant.steps=[0]",
+                                  "callbacks.loss_spike.use_grad_norm=false"],
 }
 
 

@@ -185,7 +185,7 @@ class LossSpike(DebugCallback):
         v = self.detector.judge(loss, gnorm)
         step, self._checked = trainer.global_step, self._checked + 1
         if v["score"] > self._largest["score"] and math.isfinite(v["score"]):
-            self._largest = {"score": v["score"], "step": step, "z": v.get("z", 0.0), "jump": v.get("jump", 0.0)}
+            self._largest = {"score": v["score"], "step": step, "z": v.get("z") or 0.0, "jump": v.get("jump") or 0.0}
         if v["median"] is not None:
             pl_module.log_dict({"spike/loss_median": v["median"], "spike/score": v["score"]}, on_step=True)
         if not v["spike"]:
@@ -204,7 +204,7 @@ class LossSpike(DebugCallback):
         text = f"loss spike at {where}: {v['why']}{rank_note}"
         if self.policy == "warn":
             if math.isfinite(details["loss"]):  # the run goes on with it: a lasting level becomes the new normal
-                self.detector.push(step, details["loss"], v["grad_norm"])
+                self.detector.push(step, details["loss"], v.get("grad_norm"))
             self._emit(trainer, "warning", "loss_spike", text + "; the update is applied (policy=warn)",
                        "inspect that batch (debug=data) and the LR/warm-up; policy=skip drops such updates, "
                        "rollback also returns to the last verified checkpoint", details)

@@ -65,7 +65,9 @@ class SpikeWindow:
         five: ``early_jump`` (x2 by default), or ``min_rel_jump`` when the loss is also back above an
         untrained model's (a model that learnt something does worse than chance on this batch), or the
         joint grad-norm rule. The early loss falls fast, so a falling loss never fires."""
-        out: dict[str, Any] = {"spike": False, "score": 0.0, "why": "warm-up", "median": None, "early": True}
+        # every key the late verdict has, so a caller never meets a missing one (a spike at step 0 has no history)
+        out: dict[str, Any] = {"spike": False, "score": 0.0, "why": "warm-up", "median": None, "early": True,
+                               "mad": None, "z": None, "jump": None, "grad_norm": gnorm, "grad_ratio": None}
         parts, whys = [], []
         if self.prior is not None and self.prior > 0 and self.prior_margin > 0:
             limit = (1 + self.prior_margin) * self.prior
@@ -89,7 +91,7 @@ class SpikeWindow:
                 whys.append(f"loss {loss:.4g} vs the median {ref:.4g} of the last {len(recent)} steps "
                             f"(x{loss / ref:.2f}" + (f", back above an untrained model's {self.prior:.4g}"
                                                      if above_prior else "") + ")"
-                            + (f"; grad norm {out['grad_ratio']:.2f}x its median" if "grad_ratio" in out else ""))
+                            + (f"; grad norm {out['grad_ratio']:.2f}x its median" if out["grad_ratio"] is not None else ""))
         score = max(parts) if parts else 0.0
         out.update(score=score, spike=score >= 1.0, why="; ".join(whys) + " (early rule: fewer than "
                    f"{self.warmup_steps} healthy steps)" if whys else "warm-up")
