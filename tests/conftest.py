@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs the checks strict: a check that raises fails its test instead of being isolated as a
+# user's run isolates it (src/callbacks/isolation.py). Every `python train.py` a test starts inherits it;
+# the isolation tests set DSDEBUG_STRICT=0 for the runs that show a user's behaviour.
+os.environ.setdefault("DSDEBUG_STRICT", "1")
+
 
 @pytest.fixture(autouse=True)
 def _restore_process_env():

@@ -30,6 +30,13 @@ Pickling (``ddp_spawn`` sends the callbacks to its processes): ``runtime_attrs``
 process-bound attributes (threads, locks, log handlers, the Trainer) the copy leaves out (None);
 ``setup`` builds them again, ``restore_runtime`` re-creates what ``__init__`` had set up.
 
+Fault isolation (``isolation.py``): every hook a check defines runs inside a guard; an exception
+from the check's own code becomes one ``<check>/check_failed`` error finding and switches that check off
+(on every rank, before its next collective), and the run goes on. ``debug.strict=true`` /
+``DSDEBUG_STRICT=1`` re-raise instead. Collectives go through ``dsdebug.distributed.collectives`` (they
+agree first); hooks a check puts on the user's model are wrapped with ``self.guarded(fn, where)``.
+``isolated = False`` opts a class out (the doctor: it is the run).
+
 Standalone (a plain ``L.Trainer``, no framework): every check's ``setup`` first calls
 `attach_channel`, which points an unconfigured findings channel at
 ``<trainer.log_dir>/findings.jsonl`` (docs/standalone.md). Subclasses that define their own
@@ -44,6 +51,7 @@ from typing import Any, ClassVar
 
 from lightning.pytorch import Callback, Trainer
 
+from dsdebug.callbacks import isolation
 from dsdebug.config.args import Rule, one_of
 from dsdebug.distributed.collectives import any_rank
 from dsdebug.errors import ConfigError
@@ -114,6 +122,8 @@ class DebugCallback(Callback):
     #: process-bound objects (threads, locks, handlers, the Trainer) left out when the check is pickled
     #: (``ddp_spawn`` sends callbacks to its processes); the copy holds None and re-creates them in setup
     runtime_attrs: ClassVar[tuple[str, ...]] = ()
+    #: hooks run inside the fault-isolation guard (isolation.py); False only for what must fail the run
+    isolated: ClassVar[bool] = True
 
     def __init__(self, on_error: str = "warn") -> None:
         self.check_args(on_error=(on_error, one_of(*self.policies, note=self.policy_note)))
@@ -144,6 +154,7 @@ class DebugCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         """What a spawned process gets (``ddp_spawn``): everything but ``runtime_attrs`` (None there)."""
         state = self.__dict__.copy()
+        state.pop("_isolation_trainer", None)  # a weak reference to the Trainer (isolation.py)
         for attr in self.runtime_attrs:
             if attr in state:
                 state[attr] = None
@@ -159,6 +170,11 @@ class DebugCallback(Callback):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._attach_in_setup()
+        isolation.isolate(cls)  # every hook it defines, inside the guard (outermost: around attach_channel)
+
+    @classmethod
+    def _attach_in_setup(cls) -> None:
         own = cls.__dict__.get("setup")
         if own is None or getattr(own, "_attaches_channel", False):
             return
@@ -170,6 +186,14 @@ class DebugCallback(Callback):
 
         setup._attaches_channel = True  # type: ignore[attr-defined]
         cls.setup = setup  # type: ignore[method-assign]
+
+    def guarded(self, fn: Any, where: str) -> Any:
+        """``fn`` (a hook this check puts on the user's model or tensors) inside this check's fault
+        isolation: an exception is this check's ``check_failed``, and nothing runs once it is off."""
+        return isolation.guarded(self, fn, where)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Nothing of its own; the guard closes the checks' side channel after the last check's teardown."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         attach_channel(trainer)  # COLLECTIVE when it acts (see attach_channel)
@@ -216,3 +240,6 @@ class DebugCallback(Callback):
             trainer.should_stop = True
 
     any_rank = staticmethod(any_rank)  # dsdebug.distributed.collectives.any_rank: COLLECTIVE
+
+
+isolation.isolate(DebugCallback)  # the base's own hooks (setup, teardown, state_dict, load_state_dict)

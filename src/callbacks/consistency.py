@@ -19,6 +19,7 @@ import torch
 
 from dsdebug.config.args import optional, strings
 from dsdebug.callbacks.base import DebugCallback
+from dsdebug.distributed import collectives
 from dsdebug.config.fingerprint import config_facts, config_hash
 from dsdebug.findings.ranks import name_ranks
 from dsdebug.findings.secrets import REDACTED, SECRET_KEY
@@ -232,10 +233,7 @@ class ConsistencyCheck(DebugCallback):
         if trainer.world_size <= 1:
             self.mismatches = []
             return
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(gathered, mine)  # COLLECTIVE: every rank, once
+        gathered = collectives.all_gather_object(mine)  # COLLECTIVE: every rank, once
         self.mismatches = compare_facts(gathered, self.ignore)
         if not trainer.is_global_zero:
             return

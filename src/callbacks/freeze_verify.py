@@ -17,6 +17,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import display_name, grad_source
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
+from dsdebug.distributed import collectives
 
 __all__ = ["FreezeVerify"]
 
@@ -214,10 +215,11 @@ class FreezeVerify(DebugCallback):
             owned = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             if owned:
                 owners[id(module)] = owned
-                self._handles.append(module.register_forward_hook(partial(self._on_forward, owned)))
+                self._handles.append(module.register_forward_hook(self.guarded(partial(self._on_forward, owned),
+                                                                               "a module forward hook")))
         for i, p in enumerate(self._params):
             if p.requires_grad:
-                self._handles.append(p.register_hook(partial(self._on_grad, i)))
+                self._handles.append(p.register_hook(self.guarded(partial(self._on_grad, i), "a gradient hook")))
         self._pending = True
 
     def _on_forward(self, owned: list[int], *_: Any) -> None:
@@ -267,7 +269,7 @@ class FreezeVerify(DebugCallback):
                 rows.append([total, squares])
         sums = torch.tensor(rows, dtype=torch.float64)
         if trainer.world_size > 1 and self._source == "zero3":  # partitions: add the ranks' parts
-            sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            sums = collectives.reduce(trainer, sums, "sum").cpu()
         return sums.tolist()
 
     def _report_moved(self, trainer: Any, before: list[list[float]], after: list[list[float]], code: str) -> None:
@@ -301,7 +303,7 @@ class FreezeVerify(DebugCallback):
         nonzero = [bool(t) if t is not None else False for t in self._nonzero]
         evidence = torch.tensor([changed, self._got, nonzero, self._called], dtype=torch.float32)
         if trainer.world_size > 1:  # COLLECTIVE: every rank reaches this at the same global_step
-            evidence = trainer.strategy.reduce(evidence.to(trainer.strategy.root_device), reduce_op="max").cpu()
+            evidence = collectives.reduce(trainer, evidence, "max").cpu()
         changed, got, nonzero, called = (row.bool().tolist() for row in evidence)
         lrs = _param_lrs(trainer)
         by_code: dict[str, list[int]] = {}

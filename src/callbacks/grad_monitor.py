@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
@@ -140,7 +141,7 @@ class GradMonitor(DebugCallback):
         partitioned = self._source != "replicated"
         vec = torch.cat([sumsq if partitioned else sumsq[:0], loss_bad])
         if world > 1:  # COLLECTIVE, every rank, every checked step: one small all-reduce
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         if partitioned:
             sumsq = vec[: len(sumsq)]
         bad_loss_ranks = [r for r, v in enumerate(vec[-world:].tolist()) if v > 0]
@@ -265,7 +266,7 @@ class GradMonitor(DebugCallback):
         amax = torch.stack([torch.stack(torch.aminmax(g)).abs().max().float() for g in present]).max() \
             if present else torch.zeros(())
         if trainer.world_size > 1 and self._source != "replicated":  # COLLECTIVE, every rank (same cadence)
-            amax = trainer.strategy.reduce(amax.reshape(1).to(trainer.strategy.root_device), reduce_op="max")
+            amax = collectives.reduce(trainer, amax.reshape(1), "max")
         layer_norms = layer_sq.sqrt().tolist()
         metrics = {"grad/norm/global": norm, "grad/norm_ema": self._ema_mean, "grad/max_abs": float(amax.max())}
         metrics.update({f"grad/norm/{layer}": v for layer, v in zip(self._layers, layer_norms)})
@@ -288,6 +289,10 @@ class GradMonitor(DebugCallback):
                            {"layers": {layer: v for layer, v in low}}, rank=None)
 
     def _histograms(self, trainer: Any, grads: list) -> None:
+        with collectives.collective_region():  # ZeRO: one full-gradient gather per parameter, agreed once
+            self._histograms_in_region(trainer, grads)
+
+    def _histograms_in_region(self, trainer: Any, grads: list) -> None:
         for name, p, g in zip(self._names, self._params, grads):
             if self._source != "replicated":  # COLLECTIVE per parameter, every rank, same order
                 from deepspeed.utils import safe_get_full_grad

@@ -95,7 +95,7 @@ class GradScaleCheck(DebugCallback):
         if self.done or self._expected is not None or not loss.requires_grad:
             return
         self._expected = _loss_scale(trainer)
-        loss.register_hook(self._record)
+        loss.register_hook(self.guarded(self._record, "the loss's gradient hook"))
 
     def _record(self, grad: torch.Tensor) -> None:
         self._seen = grad.detach().float().cpu()

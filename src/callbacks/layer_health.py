@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
@@ -194,7 +195,7 @@ class LayerHealth(DebugCallback):
         if parts and nnz is not None:  # same on every rank: _grad_checks is counted alike everywhere
             parts.append(nnz)
         if parts and trainer.world_size > 1:  # COLLECTIVE, every rank, once per checked step
-            vec = trainer.strategy.reduce(torch.cat(parts).to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, torch.cat(parts), "sum").cpu()
             g_sq = vec[:n]
             if dw_sq is not None and self._source == "zero3":
                 dw_sq, w_sq = vec[n:2 * n], vec[2 * n:3 * n]

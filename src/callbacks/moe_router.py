@@ -14,6 +14,7 @@ import torch
 from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.models.moe_aux import normalised_probs
+from dsdebug.distributed import collectives
 
 __all__ = ["MoERouter", "record_stats", "window_stats"]
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class MoERouter(DebugCallback):
         vec, self._window = self._window, torch.zeros_like(self._window)
         self._start = end
         if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per window, every rank
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         n, e = len(self.layers), self.experts
         counts = vec[: n * e].reshape(n, e)
         if counts.sum() <= 0:
@@ -260,7 +261,7 @@ class MoERouter(DebugCallback):
     def _judge_early(self, trainer: Any, pl_module: Any, counts: torch.Tensor, step: int) -> None:
         """One step's load against a fresh router's prior (near uniform): EVERY rank, same branches."""
         if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per step, first early_steps steps only
-            counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            counts = collectives.reduce(trainer, counts, "sum").cpu()
         if counts.sum() <= 0:
             return
         st = window_stats(counts, torch.zeros(len(self.layers)), counts.sum(-1) / self.top_k, self.top_k)

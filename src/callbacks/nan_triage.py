@@ -15,6 +15,7 @@ from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.findings import Finding
+from dsdebug.distributed import collectives
 
 __all__ = ["NaNTriage"]
 
@@ -127,7 +128,7 @@ class NaNTriage(DebugCallback):
             if grads:  # one fused pass; a NaN/Inf anywhere makes its norm non-finite
                 vec[world] = float(not torch.isfinite(torch.stack(torch._foreach_norm(grads, 2))).all())
         if world > 1:  # COLLECTIVE, every rank, every step: one all-reduce of world+1 numbers
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         loss_ranks = [r for r, v in enumerate(vec[:world].tolist()) if v > 0]
         grad_bad = bool(vec[world] > 0)
         if not loss_ranks and not grad_bad:
@@ -200,7 +201,8 @@ class NaNTriage(DebugCallback):
         plugin = getattr(trainer, "precision_plugin", None)
         ctx = plugin.forward_context() if plugin is not None else nullcontext()
         try:
-            with ctx, torch.set_grad_enabled(backward):
+            # a block of library collectives under ZeRO-3 (the forward's gathers), agreed once (distributed/check_sync.py)
+            with collectives.collective_region(), ctx, torch.set_grad_enabled(backward):
                 loss = self._loss(pl_module)
                 bad = not bool(torch.isfinite(loss.detach()).all())
                 if backward and not bad:
@@ -215,7 +217,7 @@ class NaNTriage(DebugCallback):
         vec[rank], vec[world + rank] = float(bad), float(first[0] + 1 if first else 0)
         vec[2 * world + rank] = float(first[1] if first else 0)
         if world > 1:  # COLLECTIVE, every rank (all are in this branch): only on a rerun step
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         values = vec.tolist()
         bad_ranks = [r for r in range(world) if values[r] > 0]
         modules = {r: (self._modules[int(values[world + r]) - 1][0], int(values[2 * world + r]))

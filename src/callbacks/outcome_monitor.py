@@ -19,6 +19,7 @@ from dsdebug.probes.causality import causality
 from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
 from dsdebug.probes.result import ProbeResult
 from dsdebug.probes.train_eval import train_eval
+from dsdebug.distributed import collectives
 
 __all__ = ["OutcomeMonitor"]
 
@@ -197,7 +198,7 @@ class OutcomeMonitor(DebugCallback):
         reports each once."""
         if not self.probe_on_the_spot:
             return
-        wanted = trainer.strategy.broadcast(list(self._wanted), src=0) if trainer.world_size > 1 else self._wanted
+        wanted = collectives.broadcast(trainer, list(self._wanted), src=0) if trainer.world_size > 1 else self._wanted
         self._wanted = []
         if not wanted:
             return

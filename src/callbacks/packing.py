@@ -15,6 +15,7 @@ from dsdebug.config.args import integer, number
 from dsdebug.data.packing import cross_document_change, padding_fraction, positions_not_reset
 from dsdebug.probes.on_the_run import untouched
 from dsdebug.probes.train_eval import dropout_off
+from dsdebug.distributed import collectives
 
 __all__ = ["PackingCheck"]
 
@@ -146,7 +147,7 @@ class PackingCheck(DebugCallback):
         """COLLECTIVE (world > 1): every rank's row."""
         if trainer.world_size <= 1:
             return mine[None]
-        out = trainer.strategy.all_gather(mine.to(trainer.strategy.root_device))
+        out = collectives.all_gather(trainer, mine.to(trainer.strategy.root_device))
         return out.reshape(trainer.world_size, -1).cpu()
 
     def _judge(self, trainer: Any, ranks: list[dict[str, float]]) -> None:

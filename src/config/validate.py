@@ -83,6 +83,10 @@ def validate_config(cfg: DictConfig) -> None:
     if not isinstance(cfg.get("malloc_tuning", True), bool):
         raise ConfigError(f"malloc_tuning={cfg.get('malloc_tuning')!r} is invalid; valid: true (keep freed host "
                           "memory for reuse), false (glibc's defaults)")
+    strict = (cfg.get("debug") or {}).get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ConfigError(f"debug.strict={strict!r} is invalid; valid: false (a check that raises is reported and "
+                          "switched off, the run goes on), true (it ends the run), null (DSDEBUG_STRICT decides)")
     resume = cfg.get("resume")
     if resume not in (None, "auto", "latest", "latest_valid"):
         raise ConfigError(

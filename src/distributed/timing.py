@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict, deque
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # torch.distributed entry points that DeepSpeed's comm backend, Lightning and user code call
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
@@ -109,7 +112,10 @@ class CommTracker:
             if getattr(local, "depth", 0):  # nested in a tracked collective (all_gather_object -> all_gather)
                 return fn(*args, **kwargs)
             token = tracker.enter(name)
-            tracker.bytes[name] += payload_bytes(name, args, kwargs)
+            try:
+                tracker.bytes[name] += payload_bytes(name, args, kwargs)
+            except Exception:  # noqa: BLE001 - the run's collective must go on whatever the count does
+                log.debug("comm tracker: no byte count for %s", name, exc_info=True)
             local.depth = 1
             try:
                 work = fn(*args, **kwargs)

@@ -73,6 +73,7 @@ class DoctorCallback(DebugCallback):
     ``workdir``: where the checkpoint round trip writes (a temp dir by default; shared by the ranks)."""
 
     name = "doctor"
+    isolated = False  # the doctor is the run (it replaces training): its failures end it, as they should
 
     def __init__(self, net_factory: Callable[[], torch.nn.Module] | None = None, pretrained: bool = False,
                  overfit_steps: int = 16, user_values: dict[str, Any] | None = None,

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from dsdebug.distributed.collectives import collective_region
 from dsdebug.probes.result import ProbeResult
 
 __all__ = ["untouched", "probe_agreed", "guarded"]
@@ -63,10 +64,13 @@ def guarded(name: str, fn: Callable[[], ProbeResult], collective: bool = False) 
 
 def probe_agreed(name: str, call: Callable[[bool], ProbeResult], any_rank: Callable[[bool], bool],
                  collective: bool = False) -> ProbeResult:
-    result = guarded(name, lambda: call(False), collective)
+    region = collective_region if collective else contextlib.nullcontext  # ZeRO-3: the forwards gather
+    with region():
+        result = guarded(name, lambda: call(False), collective)
     unnamed = result.status == "fail" and result.culprit in ("", "<net>")
     if any_rank(unnamed):  # COLLECTIVE
-        again = guarded(name, lambda: call(True), collective)
+        with region():
+            again = guarded(name, lambda: call(True), collective)
         if result.status == "fail" and again.status == "fail":
             result = again
     return result

@@ -4,6 +4,7 @@ every rank calls it, with its results in the same probe order."""
 
 from __future__ import annotations
 
+from dsdebug.distributed import collectives
 from dsdebug.probes.result import ProbeResult
 
 __all__ = ["gather", "merge", "RANK_ORDER"]
@@ -13,13 +14,7 @@ RANK_ORDER = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
 
 def gather(results: list[ProbeResult]) -> list[list[ProbeResult]]:
     """Every rank's results, on every rank. COLLECTIVE (one process: just its own)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [results]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, results)
-    return out
+    return collectives.all_gather_object(results)
 
 
 def merge(per_rank: list[list[ProbeResult]], world: int) -> list[ProbeResult]:

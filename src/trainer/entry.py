@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from dsdebug.callbacks import is_debug_check
+from dsdebug.callbacks.isolation import set_strict
 from dsdebug.errors import ConfigError, StoppedByCheck
 from dsdebug.findings import configure_channel, get_channel
 from dsdebug.findings.sinks import attach_dashboards
@@ -114,6 +115,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if not is_prepared(cfg):
         raise RuntimeError("train(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
+    set_strict((cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s

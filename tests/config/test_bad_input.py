@@ -40,6 +40,7 @@ CASES = {
     "missing_checkpoint": (["ckpt_path=/nonexistent/step_000010.ckpt"], ["ckpt_path", "/nonexistent/step_000010.ckpt"]),
     "resume_typo": (["resume=lastest"], ["resume", "latest"]),
     "malloc_tuning_not_bool": (["malloc_tuning=maybe"], ["malloc_tuning='maybe' is invalid", "true", "false"]),
+    "debug_strict_not_bool": (["debug.strict=maybe"], ["debug.strict='maybe' is invalid", "true", "false", "null"]),
     "callback_typo_add": (["+callbacks=grad_monitr"], ["callbacks/grad_monitr", "grad_monitor"]),
     "callback_typo_remove": (["~callbacks.lr_monitr"], ["callbacks.lr_monitr", "did you mean callbacks.lr_monitor?"]),
     # a check's own arguments: its __init__'s check_args rules, read from its source before anything is imported

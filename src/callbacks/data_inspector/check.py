@@ -76,6 +76,7 @@ from dsdebug.callbacks.grad_access import untrained_vocab
 from dsdebug.config.args import boolean, integer, number, optional, string
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
+from dsdebug.distributed import collectives
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +220,13 @@ class DataInspector(DatasetChecks, DebugCallback):
             self._pending.clear()
             return
         count = torch.tensor([len(self._pending)], device=trainer.strategy.root_device)
-        counts = trainer.strategy.all_gather(count).reshape(-1)
+        counts = collectives.all_gather(trainer, count).reshape(-1)
         n = int(counts.min())
         if n == 0:
             self._pending.clear()
             return
         local = torch.stack([fp for fp, _, _ in self._pending[:n]]).to(trainer.strategy.root_device)
-        every = trainer.strategy.all_gather(local).reshape(trainer.world_size, n).cpu()
+        every = collectives.all_gather(trainer, local).reshape(trainer.world_size, n).cpu()
         steps = [(s, b) for _, s, b in self._pending[:n]]
         self._pending = self._pending[n:]
         for j in range(n):
@@ -292,7 +293,7 @@ class DataInspector(DatasetChecks, DebugCallback):
         flags = torch.tensor([pattern == "shifted" and shifts is True, pattern == "same" and shifts is False,
                               pattern == "ignored"], dtype=torch.float32)
         if trainer.world_size > 1:  # COLLECTIVE (every rank, first batch only): agree before acting on an error
-            flags = trainer.strategy.reduce(flags.to(trainer.strategy.root_device), reduce_op="max").cpu()
+            flags = collectives.reduce(trainer, flags, "max").cpu()
         double, unshifted, ignored = (bool(f) for f in flags)
         if double:
             self._report_once(trainer, "error", "label_double_shift",

@@ -117,13 +117,14 @@ class GradCheckpointing(DebugCallback):
                                "measure it with the same model under ddp or ZeRO-1/2 (the activations are the same)")
         self._aux_loss_check(trainer, pl_module)
         for name, (block, _) in self._blocks.items():
-            self._handles.append(block.register_forward_pre_hook(
-                lambda m, args, kwargs, name=name: self._block_pre(name, m, args, kwargs), with_kwargs=True))
+            self._handles.append(block.register_forward_pre_hook(self.guarded(
+                lambda m, args, kwargs, name=name: self._block_pre(name, m, args, kwargs), f"forward hook on {name}"),
+                with_kwargs=True))
             if self.routing:
                 for router_name, router in find_routers(block).items():
                     full = f"{name}.{router_name}"
-                    self._handles.append(router.register_forward_hook(
-                        lambda m, args, out, full=full: self._router_out(full, out)))
+                    self._handles.append(router.register_forward_hook(self.guarded(
+                        lambda m, args, out, full=full: self._router_out(full, out), f"forward hook on {full}")))
 
     def _aux_loss_check(self, trainer: Any, pl_module: Any) -> None:
         """The MoE load-balancing loss is computed from router outputs captured in the forward; a reentrant

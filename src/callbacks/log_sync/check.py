@@ -16,6 +16,7 @@ from dsdebug.config.args import integer, number, one_of
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.distributed.timing import CommTracker, register_ddp_hook
+from dsdebug.distributed import collectives
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,8 @@ class LogSync(DebugCallback):
 
     def _clock_offsets(self, trainer: Any) -> list[float]:
         """COLLECTIVE. Each rank's wall clock minus rank 0's, for ranks on another host (same host: one clock)."""
-        import torch.distributed as dist
-
-        trainer.strategy.barrier("log_sync_clock")
-        stamps: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(stamps, (socket.gethostname(), time.time()))
+        collectives.barrier(trainer, "log_sync_clock")
+        stamps = collectives.all_gather_object((socket.gethostname(), time.time()))
         host0, t0 = stamps[0]
         self.hosts = [host for host, _ in stamps]  # the merged timeline names each line's host
         return [0.0 if host == host0 else t - t0 for host, t in stamps]
@@ -212,7 +210,7 @@ class LogSync(DebugCallback):
                               _memory_mb(trainer)], dtype=torch.float64, device=trainer.strategy.root_device)
         first = self._first_step if self._first_step is not None else trainer.global_step
         self._reset_window()
-        rows = trainer.strategy.all_gather(local).reshape(-1, len(STATS)).cpu().tolist()  # COLLECTIVE
+        rows = collectives.all_gather(trainer, local).reshape(-1, len(STATS)).cpu().tolist()  # COLLECTIVE
         metrics: dict[str, float] = {}
         for i, stat in enumerate(STATS):
             values = [row[i] for row in rows]
@@ -254,13 +252,7 @@ class LogSync(DebugCallback):
 
     def _gather_lines(self, trainer: Any, rows: list[list[float]]) -> None:
         records = self.buffer.take(trainer.global_rank) if self.buffer is not None else []
-        if trainer.world_size > 1:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(gathered, records)  # COLLECTIVE
-        else:
-            gathered = [records]
+        gathered = collectives.all_gather_object(records)  # COLLECTIVE
         if not trainer.is_global_zero:
             return
         now = time.time()

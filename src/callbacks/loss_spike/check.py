@@ -18,6 +18,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad, untrained_vocab
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.findings import Finding, get_channel
+from dsdebug.distributed import collectives
 
 __all__ = ["LossSpike", "SpikeWindow"]
 
@@ -179,7 +180,7 @@ class LossSpike(DebugCallback):
                 if grads else 0.0
             vec[world] = sq / world if self._source == "replicated" else sq  # replicated: every rank has it all
         if world > 1:  # COLLECTIVE, every rank, every optimizer step: one all-reduce of world + 1 numbers
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         losses = vec[:world].tolist()
         loss, gnorm = sum(losses) / world, (math.sqrt(vec[world]) if self._params else None)
         v = self.detector.judge(loss, gnorm)
@@ -237,7 +238,7 @@ class LossSpike(DebugCallback):
         step = pending["step"]
         found = rb.newest_verified(rb.checkpoint_dir(trainer), step) if trainer.global_rank == 0 else None
         if trainer.world_size > 1:  # COLLECTIVE (every rank is here): rank 0's verified choice
-            found = trainer.strategy.broadcast(found, src=0)
+            found = collectives.broadcast(trainer, found, src=0)
         if found is None:
             self._emit(trainer, "warning", "loss_spike_skipped",
                        pending["text"] + "; no verified checkpoint yet, so rollback skipped this update instead",

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import is_out_of_memory
@@ -179,7 +180,7 @@ class MemoryMonitor(DebugCallback):
         vec = torch.zeros(3 * n, dtype=torch.float64)
         vec[rank], vec[n + rank], vec[2 * n + rank] = held["total"], held["buckets"], exp["expected"]
         if n > 1:  # COLLECTIVE, every rank, once
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         per_rank, held["buckets_per_rank"] = vec[:n].tolist(), vec[n:2 * n].tolist()
         exp["expected_per_rank"] = vec[2 * n:].tolist()
         self._states = {"layout": layout, "psi": psi, "per_rank": per_rank, **exp}
@@ -251,7 +252,7 @@ class MemoryMonitor(DebugCallback):
         vec = torch.zeros(n, dtype=torch.float64)
         vec[trainer.global_rank] = self._now()["peak"]
         if n > 1:  # COLLECTIVE, every rank
-            vec = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            vec = collectives.reduce(trainer, vec, "sum").cpu()
         if trainer.global_rank == 0:
             peaks = vec.tolist()
             kind = "max_memory_allocated" if self._cuda else "peak RSS"

@@ -16,6 +16,7 @@ from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name
 from dsdebug.callbacks.replica_parity.checksums import _PRIME, _fp64, _scalar, checksums, divergent
+from dsdebug.distributed import collectives
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
 
@@ -213,7 +214,7 @@ class ReplicaParity(DebugCallback):
             self._weights = torch.arange(longest, dtype=torch.int32) % _PRIME + 1
         mine = checksums(tensors, self._weights)
         device = trainer.strategy.root_device  # COLLECTIVE, every rank: one all_gather of [n x 3] int64
-        gathered = trainer.strategy.all_gather(mine.to(device)).cpu().reshape(trainer.world_size, *mine.shape)
+        gathered = collectives.all_gather(trainer, mine.to(device)).cpu().reshape(trainer.world_size, *mine.shape)
         self._checks += 1
         self._ms.append((time.perf_counter() - started) * 1e3)
         found: dict[str, list] = {k: [] for k in _KINDS}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dsdebug.distributed import collectives
 from dsdebug.config.args import boolean, integer, one_of, optional
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.reproducibility.replay import (
@@ -318,7 +319,8 @@ class Reproducibility(DebugCallback):
             # same precision context and wrapper (DDP / DeepSpeed engine) as the real step; under
             # DDP in no_sync, so this forward does not arm the reducer for the real backward
             model = trainer.strategy.model
-            with model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else nullcontext():
+            with collectives.collective_region(), \
+                    model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else nullcontext():
                 trainer.strategy.training_step(batch, batch_idx)
         except BaseException:
             self._drop_pending()

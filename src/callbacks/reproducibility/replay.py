@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dsdebug.distributed import collectives
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,7 +84,7 @@ def ranks_differing(trainer: Any, differs: bool) -> list[int]:
     if trainer.world_size <= 1:
         return [trainer.global_rank] if differs else []
     flag = torch.tensor([1 if differs else 0], device=trainer.strategy.root_device)
-    return [r for r, v in enumerate(trainer.strategy.all_gather(flag).reshape(-1).tolist()) if v]
+    return [r for r, v in enumerate(collectives.all_gather(trainer, flag).reshape(-1).tolist()) if v]
 
 
 def seed_record(trainer: Any, seed: int, seeded_here: bool, hash_seed_at_start: str | None,
