@@ -51,6 +51,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from dsdebug.errors import ConfigError
 from dsdebug.models.document_mask import document_mask
 from dsdebug.models.grad_ckpt import checkpointing_mode, enable_gradient_checkpointing
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
@@ -259,6 +260,17 @@ class CausalLMModule(L.LightningModule):
         return _TokenLRScale(self, optimizer, dm.lr_scale_for).groups
 
     # ---- optimizers -----------------------------------------------------------------
+    def configure_model(self) -> None:
+        """After every ``setup`` hook (a callback or user code may have frozen parameters), before the strategy
+        wraps the net: a net with nothing to train is refused here, every rank alike, in one line (DDP raised
+        "DistributedDataParallel is not needed ...", DeepSpeed's ZeRO an IndexError)."""
+        if not any(p.requires_grad for p in self.net.parameters()):
+            n = sum(1 for _ in self.net.parameters())
+            raise ConfigError(f"model.net: none of its {n} parameters requires grad, so there is nothing to train "
+                              "(something froze them all: a callback, a setup hook, a loaded adapter config); valid: "
+                              "leave at least one trainable (callbacks.freeze_verify.train_only=[<regex>] says which), "
+                              "or +model/adapter=lora to train adapters on a frozen base")
+
     def configure_optimizers(self) -> Any:
         groups = param_groups(self.net.named_parameters())
         optimizer = self.optimizer_factory(groups)

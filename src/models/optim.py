@@ -28,7 +28,9 @@ def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list
             no_decay.append(p)
         else:
             decay.append(p)
-    groups = [{"params": decay}]
+    # no empty group: DeepSpeed's ZeRO reads the first parameter of the first group (a model that trains only
+    # its norms/embeddings, BitFit-style, has no decayed parameter)
+    groups = [{"params": decay}] if decay else []
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups

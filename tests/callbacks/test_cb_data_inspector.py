@@ -85,6 +85,27 @@ def test_overlap_scan_finds_exact_copies_and_shared_spans():
     assert find_overlap(train, [rng.integers(0, 1000, 64)], 32)["ngram_overlap"] == 0
 
 
+def test_short_samples_that_repeat_by_chance_are_not_a_leak_but_copies_beyond_that_rate_are():
+    """2-token samples of natural text repeat within train as often as between train and val: the text's own
+    repetition (data.seq_len=2 gave a train_val_overlap warning on a clean split). A copied val set of such
+    samples, or any copy among unique long samples, is still a leak."""
+    from dsdebug.callbacks.data_inspector.dataset_checks import judge_overlap
+
+    rng = np.random.default_rng(0)
+    zipf = lambda n: np.minimum(rng.zipf(1.6, size=(n, 2)), 50).astype(np.int64)  # noqa: E731 - natural-ish bigrams
+    train, val = list(zipf(2000)), list(zipf(200))
+    r = find_overlap(train, val, 13)
+    assert r["exact"] > 0 and r["train_self_duplicates"] > 0.5
+    assert judge_overlap(r, 0.01) == (False, True)
+    unique = [rng.integers(0, 4096, 8) for _ in range(900)]
+    some_repeats = unique + [unique[i].copy() for i in range(100)]  # 200 of 1000 train samples repeat
+    leaked = find_overlap(some_repeats, [unique[i] for i in range(300, 400)], 13)  # a copied val set
+    assert abs(leaked["train_self_duplicates"] - 0.2) < 1e-9 and leaked["exact"] == 100
+    assert judge_overlap(leaked, 0.01) == (True, False)  # 100 % copies against 20 % repetition: a leak
+    copied = find_overlap(unique, [unique[3], rng.integers(0, 4096, 8)], 13)  # unique samples: any copy
+    assert copied["train_self_duplicates"] == 0.0 and judge_overlap(copied, 0.01) == (True, False)
+
+
 def test_label_patterns():
     ids = torch.arange(12).reshape(2, 6)
     assert label_pattern(ids, ids.clone()) == "same"

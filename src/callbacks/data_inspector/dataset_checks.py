@@ -68,15 +68,18 @@ class DatasetChecks:
         ex["text"] = self._decode(trainer, ex.pop("ids"))
         n_val = max(r["val_samples"], 1)
         frac = max(r["exact"], r["ngram_overlap"]) / n_val
-        severe = r["exact"] > 0 or frac > self.overlap_warn_fraction
+        severe, by_chance = judge_overlap(r, self.overlap_warn_fraction)
+        chance = float(r.get("train_self_duplicates", 0.0))
         where = f"val sample {ex['val_index']} / train sample {ex['train_index']}"
         code = "train_val_overlap" if severe else "train_val_overlap_small"
         what = (f"{r['exact']} val samples are exact copies of train samples and {r['ngram_overlap']} of "
                 f"{r['val_samples']} share a {r['ngram']}-token span with train" if r["ngram"] else
                 f"{r['exact']} of {r['val_samples']} val samples are exact copies of train samples, compared by value")
+        why = (f"; {chance:.0%} of train samples repeat within train, so copies at this rate are the text's own "
+               "repetition, not a leak" if by_chance else ": val loss overstates generalisation")
         self.report(trainer, "warning" if severe else "info", code,
                     f"{what} (e.g. {where}: "
-                    f"{ex['text'][:120]!r}): val loss overstates generalisation",
+                    f"{ex['text'][:120]!r}){why}",
                     advice="deduplicate documents before splitting; split by document, not by block",
                     details={**r, "example": ex, "fraction": frac}, rank=None)
 
@@ -148,3 +151,17 @@ class DatasetChecks:
                 return
         self.report(trainer, "info", "data_order_matches", f"rank {rank}: batches {start}..{end - 1} match reference "
                     f"run {run} (same seed {record['seed']})")
+
+
+def judge_overlap(r: dict[str, Any], warn_fraction: float) -> tuple[bool, bool]:
+    """(severe, by chance) for ``find_overlap``'s result. Exact copies at about the rate train samples repeat
+    among themselves are the text's own repetition (2-token samples repeat everywhere), not a leak; beyond
+    twice that rate (or any copy, when train samples are unique) they are, as is an n-gram overlap above
+    ``warn_fraction`` of the val samples."""
+    n_val = max(int(r["val_samples"]), 1)
+    chance = float(r.get("train_self_duplicates", 0.0))
+    by_chance = (chance > 0 and r["exact"] / n_val <= 2 * chance and r["ngram_overlap"] / n_val <= warn_fraction
+                 and (r["exact"] > 0 or r["ngram_overlap"] > 0))
+    severe = not by_chance and (r["exact"] > 0 or max(r["exact"], r["ngram_overlap"]) / n_val > warn_fraction)
+    return severe, by_chance
+

@@ -93,8 +93,12 @@ def find_overlap(train: list[np.ndarray], val: list[np.ndarray], n: int) -> dict
         n = 0
     t_exact, v_exact = sample_hashes(train), sample_hashes(val)
     exact = np.nonzero(_member(v_exact, t_exact))[0]
+    # the train set's own repetition: the share of train samples equal to another train sample. Short samples
+    # (a few tokens) repeat in any text; a val copy is evidence of a leak only beyond this rate
+    _, inverse, counts = np.unique(t_exact, return_inverse=True, return_counts=True)
+    self_dup = float((counts[inverse] > 1).mean()) if len(t_exact) else 0.0
     out: dict[str, Any] = {"val_samples": len(val), "train_samples": len(train), "exact": len(exact),
-                           "ngram": n, "ngram_overlap": 0, "example": None}
+                           "ngram": n, "ngram_overlap": 0, "example": None, "train_self_duplicates": self_dup}
     if len(exact):
         v = int(exact[0])
         out["example"] = {"val_index": v, "train_index": int(np.nonzero(t_exact == v_exact[v])[0][0]),

@@ -1,0 +1,78 @@
+"""Runs that go wrong, planted, for the matrix of runs the checks must survive (tests/helpers/matrix.py).
+
+Each is a plain Lightning callback on the project's LightningModule (src/models/lm_module.py), named in a
+config: ``+callbacks.plant._target_=tests.planted.degenerate.LossAt +callbacks.plant.kind=nan
++callbacks.plant.step=0``.
+
+- ``LossAt(kind, step, rank=None, every=False)``: the training loss of ``step`` (from ``step`` on with
+  ``every``) on ``rank`` (None: every rank) is NaN, +Inf, or exactly 0 (``zero``: ``loss * 0``, so every
+  gradient is 0 as well). Wraps ``_losses``, which the training step and nan_triage's rerun both call.
+- ``NaNInBatch(step, rank)``: the input embeddings of one rank's batch are NaN at ``step`` (a corrupt
+  float feature on one rank only; token ids themselves cannot hold a NaN).
+- ``AllLabelsIgnored``: every label of every training batch is -100 (nothing to learn from: the mean over
+  zero counted tokens is 0/0).
+- ``FreezeAll(keep=None)``: every parameter (but those matching ``keep``) has ``requires_grad=False`` before
+  the optimizer is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+
+class LossAt(Callback):
+    def __init__(self, kind: str, step: int = 0, rank: int | None = None, every: bool = False) -> None:
+        assert kind in ("nan", "inf", "zero"), kind  # quote nan/inf on the command line: 'nan' (else a float)
+        self.kind, self.step, self.rank, self.every = kind, int(step), rank, bool(every)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        losses = pl_module._losses
+
+        def planted(batch: Any, training: bool = False) -> Any:
+            loss, moe = losses(batch, training=training)
+            step = trainer.global_step
+            due = step >= self.step if self.every else step == self.step
+            if training and due and self.rank in (None, trainer.global_rank):
+                if self.kind == "zero":
+                    loss = loss * 0.0
+                else:
+                    loss = loss + float("nan" if self.kind == "nan" else "inf")
+            return loss, moe
+
+        pl_module._losses = planted
+
+
+class NaNInBatch(Callback):
+    def __init__(self, step: int = 1, rank: int = 1) -> None:
+        self.step, self.rank = int(step), int(rank)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        net = getattr(pl_module, "net", pl_module)
+        emb = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
+        if emb is None:
+            emb = next(m for m in net.modules() if isinstance(m, torch.nn.Embedding))
+
+        def poison(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            due = trainer.training and trainer.global_step == self.step and trainer.global_rank == self.rank
+            return output * float("nan") if due else output
+
+        emb.register_forward_hook(poison)
+
+
+class AllLabelsIgnored(Callback):
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        batch["labels"] = torch.full_like(batch["input_ids"], -100)  # the batch itself: the data checks see it
+
+
+class FreezeAll(Callback):
+    def __init__(self, keep: str | None = None) -> None:
+        self.keep = keep  # a regex: parameters whose name matches stay trainable (keep=bias$: BitFit)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        import re
+
+        for name, p in pl_module.named_parameters():
+            p.requires_grad_(bool(self.keep and re.search(self.keep, name)))
