@@ -20,7 +20,11 @@ Grouping (warnings and errors only; info findings are not incidents):
   module in forward order; grad_monitor only sees that every gradient went bad), then the module
   first in forward order (``details.forward_index``), then the origin rank;
 - the **evidence**: every other finding of the incident, collapsed by ``check/code`` with a count,
-  the steps and the ranks.
+  the steps and the ranks;
+- a **diagnosis** (a finding whose ``details.explains`` lists causes: the advisor's ``lr_too_high`` reads the
+  configured LR against its usual range and the curves the checks saw) takes those causes' findings into
+  its own incident and is its root: the LR far too high is why the loss spiked, the gradients exploded and
+  the loss went non-finite, and each of those checks stays one line of its evidence.
 
 Ground floor: plain dicts in, plain data out; no torch, no rich (the renderers format).
 """
@@ -53,7 +57,8 @@ _ROOT_ORDER: dict[str, tuple[str, ...]] = {
     "ranks_differ": ("consistency", "replica_parity"),
 }
 _TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ranks run different configs"}
-_ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout"}  # by the root's code
+_ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout",  # by the root's code
+                "lr_too_high": "learning rate far above its usual range"}
 DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
 
 
@@ -148,6 +153,13 @@ class Incident:
         return (SEVERITY_RANK.get(self.severity, 9), step if isinstance(step, int) else -1)
 
 
+def _explains(record: dict[str, Any]) -> list[str]:
+    """The causes a diagnosis accounts for (``details.explains``); [] for any other finding."""
+    details = record.get("details") if isinstance(record.get("details"), dict) else {}
+    explains = details.get("explains")
+    return [str(c) for c in explains] if isinstance(explains, list) else []
+
+
 def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     order = _ROOT_ORDER.get(cause, ())
     check = record.get("check")
@@ -156,7 +168,8 @@ def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     forward = details.get("forward_index")
     # no step: at setup, before every step -- except a hang's (ranks stuck at different steps)
     unknown = math.inf if cause == "hang" else -1
-    return (check in DERIVED_CHECKS,
+    return (not _explains(record),  # a diagnosis is the root of what it explains
+            check in DERIVED_CHECKS,
             step if isinstance(step, int) else unknown,
             order.index(check) if check in order else len(order),
             not details.get("module"),
@@ -168,10 +181,15 @@ def _root_key(cause: str, record: dict[str, Any]) -> tuple:
 
 def group(records: Iterable[dict[str, Any]]) -> list[Incident]:
     """Warnings and errors -> incidents, errors first, then by first step."""
+    loud = [r for r in records if r.get("severity") in SEVERITY_RANK]
+    absorbed: dict[str, str] = {}  # cause -> the diagnosis's cause that explains it (the first diagnosis wins)
+    for record in loud:
+        for cause in _explains(record):
+            absorbed.setdefault(cause, cause_of(record))
     by_cause: dict[str, list[dict[str, Any]]] = {}
-    for record in records:
-        if record.get("severity") in SEVERITY_RANK:
-            by_cause.setdefault(cause_of(record), []).append(record)
+    for record in loud:
+        own = cause_of(record)
+        by_cause.setdefault(own if _explains(record) else absorbed.get(own, own), []).append(record)
     incidents = []
     for cause, members in by_cause.items():
         ordered = sorted(members, key=lambda r: _root_key(cause, r))

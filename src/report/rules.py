@@ -11,7 +11,8 @@ and steps) and whose advice is the table's row, in this framework's config keys.
 | ``loss_not_falling`` | train/loss after warmup falls < 1% from its first to its last quarter | both means, steps, LR; then the causes the run recorded, strongest first: parameters that do not train (freeze_verify), an LR that is tiny or never reaches its peak, clipping by orders of magnitude |
 | ``loss_oscillating`` | after warmup, train/loss swings around its trend by > 5% of its level, AND the loss is not implausibly low and the swing does not repeat with the epoch (then it is the data's, not the LR's) | swing, trend level |
 | ``loss_implausibly_low`` | after warmup the loss sits below 10% of where it started (an untrained LM starts at ~ln(vocab)) | level, start, epochs: memorisation (many epochs over few samples) or leakage |
-| ``loss_diverging`` | after warmup the loss ends > 50% above its minimum, or becomes NaN/inf | min, end, first bad step |
+| ``loss_diverging`` | after warmup the loss ends > 50% above its minimum, or becomes NaN/inf | min, end, first bad step; with the LR in its usual range the advice points at the checks' own findings first |
+| ``lr_too_high`` | the configured peak LR is >= 10x the top of the usual range for its optimizer family and model size (``lr_range.py``: GPT-3 Table 2.1 / Pythia for Adam, Goyal et al. for SGD), AND after the first update the loss diverged: non-finite, >= 1.5x the loss before any update (train/loss at step 0, else val/loss before training), or up >= 1.5x from its minimum, each rise also by >= 0.1 ln(vocab) (a wiggle near zero is none) | ``optim.lr`` as set, the usual range and its basis, the ratio, the loss numbers and steps, the LR at the onset, the gradient norm; a value to try; the root of the divergence incident (``details.explains``) |
 | ``val_loss_rising`` | val/loss rose > 5% above its best (>= 3 evaluations) | best step and value, last |
 | ``out_of_memory`` | the run died of OOM (CUDA OOM, or a rank SIGKILLed) or memory > 95% of the device | error / peak |
 | ``too_slow`` | collectives > 50% of the step, data loading > 30% of the step, or fp32 on a GPU | the shares / precision |
@@ -28,7 +29,9 @@ from collections.abc import Callable
 from statistics import mean, pstdev
 from typing import Any
 
+from dsdebug.findings.incidents import cause_of
 from dsdebug.report.load import RunData
+from dsdebug.report.lr_range import UsualLR, lr_text, suggestion, usual_lr
 
 CHECK = "advisor"
 
@@ -75,6 +78,9 @@ def loss_not_falling(run: RunData) -> dict | None:
     drop = (head - tail) / abs(head) if head else 0.0
     if drop >= 0.01:
         return None
+    start = _start_loss(run)
+    if start is not None and start > 0 and tail >= 1.5 * start:
+        return None  # it went up, far above where it started: loss_diverging's (its causes are not "too small")
     causes = _not_falling_causes(run)
     generic = ("check the learning rate is not too small (optim.lr; lr=0 in a param group is caught by "
                "freeze_verify), the data format (debug=data prints the first batch: labels must be the inputs "
@@ -132,8 +138,12 @@ def _trend(values: list[float], window: int = 5) -> list[float]:
 
 
 def _start_loss(run: RunData) -> float | None:
+    """Where the loss started: the mean of the first 3 logged values, leaving out those that had already
+    blown up (>= 1.5x the first: an LR far too high makes step 1 worse than step 0 by orders of magnitude,
+    and a start read from them would call any later loss "implausibly low")."""
     _, values = run.series("train/loss")
     head = [v for v in values[:3] if math.isfinite(v)]
+    head = [v for v in head if v <= 1.5 * head[0]] if head and head[0] > 0 else head
     return mean(head) if head else None
 
 
@@ -237,11 +247,265 @@ def loss_diverging(run: RunData) -> dict | None:
         if end <= 1.5 * low:
             return None
         message = f"train/loss fell to {low:.4f} then rose to {end:.4f} by step {steps[-1]}"
+    lower = ("lower the peak learning rate (optim.lr), keep gradient clipping on (optim.grad_clip=1.0), and run "
+             "debug=grads to see which layer's gradients blow up first")
+    lr = _peak_lr(run)
+    if lr is not None and lr.usual is not None and lr.ratio < LR_FAR_ABOVE:
+        # the LR is not the evidence here: what the checks named (a batch, a module, a scaled loss) comes first
+        advice = (f"the peak LR ({lr.key}={lr_text(lr.typed)}) is under {LR_FAR_ABOVE:g}x the top of its usual range "
+                  f"({lr.usual.text()}): look first at the cause the checks named (the first non-finite module: "
+                  "nan_triage; the spiking batch: loss_spike, debug=data; a layer's gradients: debug=grads); then "
+                  "a longer warm-up (optim.scheduler.warmup_ratio) or a lower optim.lr")
+    else:
+        advice = lower
+    return _finding("loss_diverging", "error", f"{message}; {_lr_text(run)}", advice, step=bad[0] if bad else None)
+
+
+# ---- the learning rate as the cause: far above its usual range AND the loss diverged ---------------------
+LR_FAR_ABOVE = 10.0  # x the top of the usual range: an order of magnitude, not a tuning choice
+_RISE = 1.5  # a loss this many times the untrained model's (or its own minimum) after updates: diverged
+# findings that a too-high LR produces: they join the LR's incident as its evidence (by their cause)
+_LR_SYMPTOMS = {
+    "loss_spike": ("loss_spike", "loss_spike_skipped", "loss_spike_rollback", "loss_spike_persistent"),
+    "grad_monitor": ("grad_exploding", "grad_spike", "nonfinite_grad"),
+    "layer_health": ("layer_grad_exploding",),
+    "nan_triage": ("nan_reproducible", "nan_step", "nan_transient"),
+    "mixed_precision": ("overflow_streak", "loss_scale_min", "frequent_overflow"),
+}
+_ADVISOR_SYMPTOMS = ("advisor/loss_diverging", "advisor/loss_oscillating", "advisor/loss_not_falling")
+
+
+class _PeakLR:
+    """The run's peak LR as configured: the key a user sets, the value typed, the optimizer's (after LR
+    scaling), and the usual range for its optimizer family and model size."""
+
+    def __init__(self, key: str, typed: float, built: float, usual: UsualLR | None) -> None:
+        self.key, self.typed, self.built, self.usual = key, typed, built, usual
+        self.ratio = built / usual.top if usual is not None else 0.0
+
+
+def _number(value: Any) -> float | None:
+    """A config or details value as a float (a NaN string too); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _model_params(run: RunData) -> float | None:
+    """Total parameters, from what a check recorded (memory's model_states: Psi); None when none did."""
+    for f in run.findings:
+        details = f.get("details") if isinstance(f.get("details"), dict) else {}
+        if f.get("check") == "memory" and f.get("code") in ("model_states", "model_states_unexpected"):
+            psi = _number(details.get("psi"))
+            if psi:
+                return psi
+    return None
+
+
+def _global_batch(run: RunData) -> int | None:
+    batch = _number(run.cfg("data.global_batch_size"))
+    if batch:
+        return int(batch)
+    micro = _number(run.cfg("data.batch_size"))
+    if not micro:
+        return None
+    accumulate = _number(run.cfg("trainer.accumulate_grad_batches")) or 1
+    world = _number(run.metrics.get("world_size")) or 1
+    return int(micro * accumulate * world)
+
+
+def _peak_lr(run: RunData) -> _PeakLR | None:
+    """From the resolved config (``optim.lr``; ``optim.optimizer.lr`` is what the optimizer got after LR scaling;
+    the family from ``optim.optimizer._target_``); a run without that config (a plain Lightning project): the
+    logged LR curve's peak and its optimizer's name (``lr-AdamW``)."""
+    lr_keys = run.keys("lr-")  # LearningRateMonitor: lr-<optimizer class>[/pg<i>]
+    logged_name = lr_keys[0][len("lr-"):].split("/")[0] if lr_keys else None
+    target = run.cfg("optim.optimizer._target_")
+    optimizer = target if isinstance(target, str) else logged_name
+    typed, built = _number(run.cfg("optim.lr")), _number(run.cfg("optim.optimizer.lr"))
+    if typed is not None and typed > 0:
+        built = built if built is not None and built > 0 else typed
+        return _PeakLR("optim.lr", typed, built, usual_lr(optimizer, _model_params(run), _global_batch(run)))
+    values = [v for key in lr_keys for v in run.series(key)[1] if math.isfinite(v)]
+    if not values or max(values) <= 0:
+        return None
+    return _PeakLR(f"the optimizer's peak LR ({lr_keys[0]})", max(values), max(values),
+                   usual_lr(optimizer, _model_params(run), _global_batch(run)))
+
+
+def _loss_points(run: RunData) -> dict[int, float]:
+    """step -> training loss: the logged curve, and the losses loss_spike recorded at the steps it judged (the
+    curve may be logged every 10 steps; a spike finding keeps the step's own loss)."""
+    points = {s: v for s, v in zip(*run.series("train/loss")) if s >= 0}
+    for f in run.findings:
+        details = f.get("details") if isinstance(f.get("details"), dict) else {}
+        loss = _number(details.get("loss"))
+        if (f.get("code") in _LR_SYMPTOMS["loss_spike"] and f.get("check") == "loss_spike" and isinstance(f.get("step"), int)
+                and loss is not None):
+            points.setdefault(f["step"], loss)
+    return dict(sorted(points.items()))
+
+
+def _untrained_loss(run: RunData, points: dict[int, float]) -> tuple[float, str] | None:
+    """The loss before any update: train/loss at step 0, else the validation before training."""
+    if 0 in points and math.isfinite(points[0]) and points[0] > 0:
+        return points[0], "train/loss at step 0"
+    before = _number(run.metrics.get("val/loss_at_start"))
+    if before is None:
+        steps, values = run.series("val/loss")
+        before = values[0] if steps and steps[0] == 0 else None
+    if before is not None and math.isfinite(before) and before > 0:
+        return before, "val/loss before training"
+    return None
+
+
+def _loss_scale(run: RunData, start: float | None) -> float | None:
+    """What a large change of the loss is measured against: an untrained causal LM's loss, ln(vocab) (the
+    model's or the data's vocab_size), else the loss before any update."""
+    vocab = _number(run.cfg("model.net.vocab_size")) or _number(run.cfg("data.vocab_size"))
+    return math.log(vocab) if vocab and vocab >= 2 else start
+
+
+def _divergence(run: RunData) -> dict[str, Any] | None:
+    """Evidence that updates made the loss diverge (steps >= 1: step 0's loss is before any update): non-finite;
+    >= 1.5x the loss before any update; or up >= 1.5x from its minimum -- each rise also by >= 0.1 ln(vocab)
+    (0.83 nats at vocab 4096: a wiggle near zero, of a model that sees its answer or memorised a batch, is no
+    evidence; ln(vocab) is an untrained causal LM's loss, the scale the early priors use). None when there is
+    none."""
+    points = _loss_points(run)
+    after = [(s, v) for s, v in points.items() if s >= 1]
+    if not after:
+        return None
+    start = _untrained_loss(run, points)
+    out: dict[str, Any] = {"start": start[0] if start else None, "start_from": start[1] if start else None}
+    onsets = []
+    bad = next((s for s, v in after if not math.isfinite(v)), None)
+    if bad is not None and math.isfinite(points.get(0, 0.0)):  # non-finite before any update: not the LR's
+        out["nonfinite_step"] = bad
+        onsets.append(bad)
+    finite = [(s, v) for s, v in after if math.isfinite(v)]
+    margin = 0.1 * (_loss_scale(run, start[0] if start else None) or (finite[0][1] if finite else 0.0))
+    if start is not None:
+        worse = next(((s, v) for s, v in finite if v >= _RISE * start[0] and v - start[0] >= margin), None)
+        if worse is not None:
+            out["worse"] = worse
+            onsets.append(worse[0])
+    if finite:
+        low_step, low = min(finite, key=lambda p: p[1])
+        rise = next(((s, v) for s, v in finite if s > low_step and v >= _RISE * low and v - low >= margin), None)
+        if rise is not None:
+            out["rise"] = (low_step, low, *rise)
+            onsets.append(rise[0])
+        out["peak"] = max(finite, key=lambda p: p[1])
+    if not onsets:
+        return None
+    out["onset"] = min(onsets)
+    return out
+
+
+def _times(ratio: float) -> str:
+    """3.75x, 98x, 3000x, 1e6x."""
+    return f"{ratio:.3g}x" if ratio < 100 else f"{ratio:.0f}x" if ratio < 1e5 else f"{lr_text(ratio)}x"
+
+
+def _divergence_text(div: dict[str, Any]) -> str:
+    parts = []
+    start = div.get("start")
+    if start is not None:
+        parts.append(f"{start:.4g} before any update ({div['start_from']})")
+    if "worse" in div:
+        s, v = div["worse"]
+        parts.append(f"{v:.4g} at step {s} ({_times(v / start)})")
+    elif "rise" in div:
+        low_step, low, s, v = div["rise"]
+        parts.append(f"down to {low:.4g} at step {low_step}, then {v:.4g} at step {s}")
+    peak = div.get("peak")
+    shown = {div["worse"][0]} if "worse" in div else {div["rise"][2]} if "rise" in div else set()
+    if peak is not None and peak[0] not in shown and (start is None or peak[1] > start):
+        parts.append(f"up to {peak[1]:.4g} at step {peak[0]}")
+    if "nonfinite_step" in div:
+        parts.append(f"non-finite from step {div['nonfinite_step']}")
+    return ", ".join(parts)
+
+
+def _grad_evidence(run: RunData, onset: int) -> str | None:
+    """The first gradient finding of a too-high LR from the onset on (grad_monitor names the norm), else the
+    logged global norm's rise."""
+    for f in run.findings:
+        step = f.get("step")
+        details = f.get("details") if isinstance(f.get("details"), dict) else {}
+        if (f.get("check") == "grad_monitor" and f.get("code") in ("grad_exploding", "grad_spike")
+                and isinstance(step, int) and step >= onset - 1 and _number(details.get("norm")) is not None):
+            return f"gradient norm {float(details['norm']):.4g} at step {step} (grad_monitor/{f['code']})"
+    steps, norms = run.series("grad/norm/global")
+    pairs = [(s, v) for s, v in zip(steps, norms) if math.isfinite(v)]
+    if len(pairs) >= 2:
+        top = max(pairs, key=lambda p: p[1])
+        if top[1] >= 10 * pairs[0][1] > 0:
+            return f"global gradient norm {pairs[0][1]:.3g} at step {pairs[0][0]} -> {top[1]:.4g} at step {top[0]}"
+    return None
+
+
+def _lr_at(run: RunData, step: int) -> float | None:
+    values = [dict(zip(*run.series(key))).get(step) for key in run.keys("lr-")]
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return max(values) if values else None
+
+
+def _explained_causes(run: RunData, div: dict[str, Any]) -> list[str]:
+    """The incidents this finding accounts for (``incidents.group`` roots them here): the causes
+    (``incidents.cause_of``) of the symptom findings whose first one is at or after the onset (a spike or a
+    NaN before the first update is not the LR's), and the advisor's own curve rules."""
+    onset = div["onset"]
+    first: dict[str, int] = {}
+    for f in run.findings:
+        if f.get("code") not in _LR_SYMPTOMS.get(str(f.get("check")), ()) or f.get("severity") not in ("error", "warning"):
+            continue
+        step = f["step"] if isinstance(f.get("step"), int) else onset
+        cause = cause_of(f)
+        first[cause] = min(first.get(cause, step), step)
+    causes = [c for c, s in first.items() if s >= onset]
+    if div.get("nonfinite_step") is not None and first.get("nonfinite", onset) >= onset and "nonfinite" not in causes:
+        causes.append("nonfinite")  # the advisor's loss_diverging on a non-finite curve is filed there
+    return causes + [c for c in _ADVISOR_SYMPTOMS if c not in causes]
+
+
+def lr_too_high(run: RunData) -> dict | None:
+    lr = _peak_lr(run)
+    if lr is None or lr.usual is None or lr.ratio < LR_FAR_ABOVE:
+        return None
+    div = _divergence(run)
+    if div is None:
+        return None  # an LR far above the range but a loss that did not diverge: no evidence, no advice
+    onset, usual = div["onset"], lr.usual
+    scaled = abs(lr.built - lr.typed) > 1e-12 * lr.typed
+    set_text = f"{lr.key}={lr_text(lr.typed)}" + (f" (the optimizer's {lr_text(lr.built)} after LR scaling, "
+                                                  "optim.scale_lr_base_batch_size)" if scaled else "")
+    evidence = [_divergence_text(div)]
+    at_onset = _lr_at(run, onset)
+    if at_onset is not None:
+        evidence.append(f"the LR at step {onset}: {lr_text(at_onset)}")
+    grads = _grad_evidence(run, onset)
+    if grads:
+        evidence.append(grads)
+    try_lr = suggestion(usual, lr.typed / lr.built)  # in the units of the key the user sets
+    why = ("Adam-family steps are ~lr per weight whatever the gradient's size, so clipping cannot shrink them; "
+           if usual.family in ("adam", "lion") else "")
+    key = lr.key if lr.key == "optim.lr" else "the optimizer's lr"
+    advice = (f"set {key}={lr_text(try_lr)} (the top of the usual range) and, if the loss still spikes, go down "
+              f"by 3x ({lr_text(try_lr / 3)}); {why}keep the warm-up (optim.scheduler.warmup_ratio) and clipping "
+              "(optim.grad_clip=1.0). This is advice: the run's settings were not changed")
     return _finding(
-        "loss_diverging", "error", f"{message}; {_lr_text(run)}",
-        "lower the peak learning rate (optim.lr), keep gradient clipping on (optim.grad_clip=1.0), and run "
-        "debug=grads to see which layer's gradients blow up first",
-        step=bad[0] if bad else None,
+        "lr_too_high", "error",
+        f"the learning rate is the likely cause: {set_text} is {_times(lr.ratio)} the top of the usual peak LR, "
+        f"{usual.text()}; the loss diverged from step {onset} on: " + "; ".join(evidence),
+        advice, step=onset, lr=lr.typed, peak_lr=lr.built, ratio=lr.ratio, family=usual.family,
+        usual_low=usual.low, usual_top=usual.top, basis=usual.basis, params=_model_params(run),
+        try_lr=try_lr, onset=onset, loss_start=div.get("start"), nonfinite_step=div.get("nonfinite_step"),
+        explains=_explained_causes(run, div),
     )
 
 
@@ -375,7 +639,8 @@ def _first_line(text: str) -> str:
 
 
 RULES: list[Callable[[RunData], dict | None]] = [
-    loss_not_falling, loss_oscillating, loss_implausibly_low, loss_diverging, val_loss_rising, out_of_memory, too_slow,
+    loss_not_falling, loss_oscillating, loss_implausibly_low, loss_diverging, lr_too_high, val_loss_rising, out_of_memory,
+    too_slow,
     nccl_timeout, mixed_precision_unstable, checkpoint_restore_failed,
 ]
 
