@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# "token" but not "tokenizer" (a path) or "tokens" (counts such as data.max_tokens)
-SECRET_KEY = re.compile(r"(api[_-]?key|token(?!izer|s)|secret|password|passwd|credential|auth)", re.IGNORECASE)
+# "token" (hf_token, access_token, WANDB_TOKEN) but not "tokenizer" (a path), "tokens" (counts such as
+# data.max_tokens), a token budget or id (data.token_budget, token_budget_lr, pad_token_id) or a tokenizer's
+# special token (pad_token, eos_token: their values are strings such as "</s>")
+SECRET_KEY = re.compile(r"(api[_-]?key|(?<!pad_)(?<!eos_)(?<!bos_)(?<!unk_)(?<!sep_)(?<!cls_)(?<!mask_)"
+                        r"token(?!izer|s|_budget|_id)|secret|password|passwd|credential|auth)", re.IGNORECASE)
 REDACTED = "***"
 
 

@@ -64,8 +64,12 @@ def test_secrets_are_redacted_from_dumps():
     out = redact(cfg)
     assert out["logger"]["wandb"] == {"api_key": "***", "project": "p"} and out["hf_token"] == "***"
     assert out["db"]["password"] is None and out["tags"] == ["a"]
-    kept = {"model": {"tokenizer": "/models/gpt2"}, "data": {"max_tokens": 60000, "tokenizer": "org/name"}}
-    assert redact(kept) == kept  # a tokenizer's path and token counts are not secrets
+    kept = {"model": {"tokenizer": "/models/gpt2"}, "data": {"max_tokens": 60000, "tokenizer": "org/name",
+                                                             "token_budget": 4096, "token_budget_lr": "sqrt"},
+            "net": {"pad_token_id": 0, "eos_token": "</s>", "pad_token": "<pad>"}}
+    assert redact(kept) == kept  # a tokenizer's path, token counts, budgets, ids and special tokens are not secrets
+    assert redact({"access_token": "x", "WANDB_TOKEN": "y", "token": "z"}) == {
+        "access_token": "***", "WANDB_TOKEN": "***", "token": "***"}
 
 
 def test_config_error_is_found_behind_hydra_instantiate():
