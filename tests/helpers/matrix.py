@@ -40,8 +40,8 @@ BASE = SMOKE + TINY_NET + ["data.seq_len=32", "data.batch_size=4", "trainer.max_
 # warnings and errors, or None when the run is healthy or the case is about surviving only). {last} is the
 # last rank.
 CASES: dict[str, tuple[list[str], str | None]] = {
-    "lr_3": (["optim.lr=3.0"], None),
-    "lr_1e3": (["optim.lr=1e3"], None),
+    "lr_3": (["optim.lr=3.0"], "advisor/lr_too_high"),
+    "lr_1e3": (["optim.lr=1e3"], "advisor/lr_too_high"),
     "nan_loss_step0": ([_PLANT + "LossAt", "+callbacks.plant.kind='nan'", "+callbacks.plant.step=0"], "nonfinite"),
     "inf_loss_step2": ([_PLANT + "LossAt", "+callbacks.plant.kind='inf'", "+callbacks.plant.step=2"], "nonfinite"),
     "nan_in_one_ranks_batch": ([_PLANT + "NaNInBatch", "+callbacks.plant.step=1", "+callbacks.plant.rank={last}"],

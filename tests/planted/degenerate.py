@@ -63,8 +63,20 @@ class NaNInBatch(Callback):
 
 
 class AllLabelsIgnored(Callback):
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        batch["labels"] = torch.full_like(batch["input_ids"], -100)  # the batch itself: the data checks see it
+    """In the data module's batch transfer hook, before any callback or the model sees the batch (as a
+    collate or a label mask would do it): the checks that replay a step see the same batch as the step."""
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        dm = trainer.datamodule
+        before = dm.on_before_batch_transfer
+
+        def planted(batch: Any, dataloader_idx: int) -> Any:
+            batch = before(batch, dataloader_idx)
+            if trainer.training and isinstance(batch, dict):
+                batch["labels"] = torch.full_like(batch["input_ids"], -100)
+            return batch
+
+        dm.on_before_batch_transfer = planted
 
 
 class FreezeAll(Callback):

@@ -42,10 +42,15 @@ def _plan(world: int, fast: bool) -> list[dict]:
     if fast:
         return chosen + resumes
     slow = [c for c in cells if c not in chosen]
-    # each case resumed once more per rank count, the preset and strategy rotating over the cases
-    slow_resumes = [{"case": c, "preset": PRESETS[i % 3], "strategy": STRATEGIES[(i + 1) % 3], "resume": True}
-                    for i, c in enumerate(RESUMABLE)]
-    return slow + [r for r in slow_resumes if r not in resumes]
+    # each case resumed once more per rank count, the preset and strategy rotating over the cases; a resume
+    # needs its first run in the same worker, so a combination make test trains is passed over
+    combos = [(p, s) for p in PRESETS for s in STRATEGIES]
+    slow_resumes = []
+    for i, case in enumerate(RESUMABLE):
+        turn = combos[i % len(combos):] + combos[:i % len(combos)]
+        preset, strategy = next(ps for ps in turn if {"case": case, "preset": ps[0], "strategy": ps[1]} in slow)
+        slow_resumes.append({"case": case, "preset": preset, "strategy": strategy, "resume": True})
+    return slow + slow_resumes
 
 
 PLANS = {(world, fast): _plan(world, fast) for world in (1, 2) for fast in (True, False)}
