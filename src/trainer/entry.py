@@ -86,6 +86,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
 
         callbacks.append(DeepSpeedWallClock())
     trainer = instantiate_section(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
+    if hasattr(trainer.strategy, "check_params"):  # a parameter the engine cannot hold: one line now, before any rank starts
+        trainer.strategy.check_params(module, trainer.gradient_clip_val)
     return datamodule, module, trainer, final_ckpt
 
 

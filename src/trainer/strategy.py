@@ -13,6 +13,10 @@ it again by ``gradient_accumulation_steps`` (Lightning #6170), so k x b accumula
 1/k of the gradient of one k*b batch. `DebugDeepSpeedStrategy.backward` calls the engine
 with ``scale_wrt_gas=False``: Lightning's division is the only one.
 
+Parameters DeepSpeed's engine chokes on (param_layout.py): a 0-dim or non-contiguous one is carried
+through ``deepspeed.initialize`` (`EngineLayout`), one it cannot hold is refused before it starts
+(`check_params`); under DDP a parameter without a gradient is named in one line (`on_exception`).
+
 Both strategies launch child ranks with `HydraAwareLauncher` (see launcher.py).
 """
 
@@ -30,6 +34,7 @@ from dsdebug.config.ds_auto import resolve_auto_values
 from dsdebug.config.ds_config import load_ds_config
 from dsdebug.distributed.launcher import HydraLauncherMixin
 from dsdebug.errors import ConfigError
+from dsdebug.trainer.param_layout import EngineLayout, refuse_unheld, unused_parameter_error
 from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_ddp_options, check_ds_options, ds_comm_setting,
                                           report_comm_setting)
 
@@ -84,6 +89,13 @@ class DebugDDPStrategy(HydraLauncherMixin, DDPStrategy):
         self._ddp_options = {k: kwargs[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
                              if k in kwargs}
         super().__init__(**kwargs)
+
+    def on_exception(self, exception: BaseException) -> None:
+        # read torch's message before Lightning replaces it with its generic hint
+        unused = unused_parameter_error(str(exception), self.lightning_module) if self.lightning_module else None
+        super().on_exception(exception)
+        if unused is not None:  # trainer/cli.py finds it behind the exception: one line, exit 2
+            exception.__cause__ = unused
 
     def _register_ddp_hooks(self) -> None:
         if self.comm_hook == "none":
@@ -141,6 +153,13 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         zero = (self.config or {}).get("zero_optimization", {})
         return (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
 
+    def check_params(self, module: Any, gradient_clip_val: float | None = None) -> None:
+        """A parameter DeepSpeed's engine cannot hold (trainer/param_layout.py): one ConfigError before the
+        engine starts. trainer/entry.py build calls it right after the model and trainer are built (with the
+        trainer's clipping); the engine setup again, for a plain Lightning script."""
+        precision = getattr(getattr(self, "precision_plugin", None), "precision", None)
+        refuse_unheld(module, self.config, precision, gradient_clip_val)
+
     def setup_environment(self) -> None:
         if self._on_cuda:
             return super().setup_environment()
@@ -192,16 +211,19 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             # a JSON optimizer without a JSON scheduler: the project's schedule drives it (as HF
             # Trainer does); DeepSpeed calls this with the optimizer it built
             lr_scheduler = getattr(self.lightning_module, "lr_scheduler_for", None)
+        self.check_params(model)
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank()),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        with EngineLayout(model) as layout:  # 0-dim / non-contiguous parameters through DeepSpeed's start-up
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self._device_rank()),
+                config=self.config,
+                model=model,
+                model_parameters=model_parameters,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            layout.settle(engine)
         guard_reentrant_forward(engine)
         if self.is_global_zero:
             report_comm_setting(f"deepspeed zero{self.config.get('zero_optimization', {}).get('stage', 0)}",
@@ -209,8 +231,11 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model) -> None:
+        self.check_params(model)
         if self._on_cuda:
-            super()._initialize_deepspeed_inference(model)
+            with EngineLayout(model) as layout:
+                super()._initialize_deepspeed_inference(model)
+                layout.settle(self.model)
             guard_reentrant_forward(self.model)
             return None
         # Lightning's version with device_rank set (root_device.index is None on CPU).
@@ -225,15 +250,17 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
             inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
             inference_config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
-        self.model, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank()),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
-        )
+        with EngineLayout(model) as layout:
+            self.model, _, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self._device_rank()),
+                config=inference_config,
+                model=model,
+                optimizer=None,
+                lr_scheduler=None,
+                model_parameters=[],
+                dist_init_required=False,
+            )
+            layout.settle(self.model)
         guard_reentrant_forward(self.model)
         return None
 

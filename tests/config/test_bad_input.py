@@ -80,6 +80,24 @@ CASES = {
     "gradient_checkpointing_unknown": (["model.gradient_checkpointing=maybe"],
                                        ["model.gradient_checkpointing='maybe' is invalid; valid: false, true "
                                         "(= non_reentrant), reentrant, non_reentrant"]),
+    # parameters DeepSpeed's engine cannot hold (src/trainer/param_layout.py): refused once the model is built
+    "param_empty_under_zero3": (["model.net._target_=tests.planted.shapes.EmptyParamLM", "strategy=zero3"],
+                                ["parameter net.extra (shape [0], float32) has no elements", "DeepSpeed ZeRO-3",
+                                 "valid: register it as a buffer", "strategy=zero2 or strategy=ddp"]),
+    "param_empty_under_zero1": (["model.net._target_=tests.planted.shapes.EmptyParamLM", "strategy=zero1"],
+                                ["parameter net.extra (shape [0], float32)", "DeepSpeed ZeRO-1", "zero_to_fp32",
+                                 "strategy=zero2 or strategy=ddp"]),
+    "param_float64_under_deepspeed": (["model.net._target_=tests.planted.shapes.Float64ParamLM", "strategy=zero2"],
+                                      ["parameter net.scale (shape [64], float64)", "DeepSpeed ZeRO-2",
+                                       "train as float32", "valid: keep it float32 (cast to float64 inside forward)",
+                                       "strategy=ddp"]),
+    "param_complex_under_deepspeed": (["model.net._target_=tests.planted.shapes.ComplexParamLM", "strategy=zero3"],
+                                      ["parameter net.rot (shape [32], complex64)", "imaginary part is dropped",
+                                       "a real float32 tensor of shape [..., 2]", "strategy=ddp"]),
+    "param_0_dim_under_stage0_clipping": (["model.net._target_=tests.planted.shapes.GatedLM", "strategy=zero1",
+                                           "strategy.stage=0"],
+                                          ["parameter net.gate (shape [], float32) is 0-dim", "gradient_clipping=1",
+                                           "strategy=zero1|zero2|zero3", "trainer.gradient_clip_val=0"]),
 }
 
 
