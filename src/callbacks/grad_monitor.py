@@ -16,6 +16,7 @@ from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                             local_param)
+from dsdebug.callbacks.loss_scale import OverflowJudge, read_scaler
 
 __all__ = ["GradMonitor"]
 
@@ -41,6 +42,14 @@ class GradMonitor(DebugCallback):
     histograms need whole gradients (``safe_get_full_grad``, every rank, at their cadence).
     With DeepSpeed gradient accumulation it checks at the accumulation boundary only.
 
+    fp16 (``dsdebug.callbacks.loss_scale``): norms are of the unscaled gradients. DeepSpeed unscales inside
+    its step, after this hook, so its gradients are divided by the current loss scale here (a python
+    number: no host read); torch AMP has unscaled them already. A step whose loss is finite but whose
+    gradients overflowed is the dynamic loss scaler's job (it skips the update and lowers the scale):
+    counted in the summary, not a finding -- through the scaler's initial search for a scale and up to 3
+    overflows in a row after it. A non-finite loss, the 4th overflow in a row, or one at the scale's
+    floor is ``nonfinite_grad`` (mixed_precision's ``overflow_streak`` / ``loss_scale_min`` judge the scaler).
+
     Example::
 
         python train.py +callbacks=grad_monitor callbacks.grad_monitor.every_n_steps=5 \\
@@ -57,7 +66,7 @@ class GradMonitor(DebugCallback):
 
     | finding code | severity | when |
     |---|---|---|
-    | ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step) |
+    | ``nonfinite_grad`` | error | a gradient holds NaN/Inf (every step; fp16: not an overflow the loss scaler absorbs) |
     | ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
     | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps``; before: norm > ``early_factor`` x the median of the healthy norms so far (>= 3 steps) |
     | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
@@ -105,6 +114,9 @@ class GradMonitor(DebugCallback):
         self._loss_bad: torch.Tensor | None = None
         self._batch_idx: int | None = None
         self._params: list[torch.Tensor] = []
+        self._scaler = None
+        self._overflow = OverflowJudge(None)
+        self._factor: float | torch.Tensor = 1.0  # the loss scale the step's gradients still carry (fp16)
 
     # ---- setup: every rank ----------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -117,6 +129,8 @@ class GradMonitor(DebugCallback):
         self._layer_idx = torch.tensor([index[layer_of(n)] for n in self._names], dtype=torch.long)
         self._source = grad_source(trainer.strategy)
         self._tensorboard = any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers)
+        self._scaler = read_scaler(trainer)  # fp16: DeepSpeed's gradients are still loss-scaled in the hook
+        self._overflow = OverflowJudge(self._scaler, resumed=trainer.global_step > 0)
         log.info("grad_monitor: %d trainable parameters in %d layers, gradients from %s", len(self._params),
                  len(self._layers), self._source)
 
@@ -134,6 +148,7 @@ class GradMonitor(DebugCallback):
             return
         step, world = trainer.global_step, trainer.world_size
         grads = [local_grad(p, self._source) for p in self._params]
+        self._factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0
         sumsq = self._sumsq(grads)
         loss_bad = torch.zeros(world, dtype=torch.float64)
         loss_bad[trainer.global_rank] = float(self._loss_bad) if self._loss_bad is not None else 0.0
@@ -148,6 +163,8 @@ class GradMonitor(DebugCallback):
         self._checked += 1
         sq = sumsq.tolist()
         bad = [i for i, v in enumerate(sq) if not math.isfinite(v)]
+        if self._overflow.judge(not bad_loss_ranks, not bad) == "absorbed":
+            return  # an fp16 overflow the loss scaler skips (and lowers the scale for): counted, not reported
         if bad:
             self._report_nonfinite(trainer, pl_module, bad, sq, bad_loss_ranks)
             return
@@ -178,7 +195,7 @@ class GradMonitor(DebugCallback):
         out = torch.zeros(len(grads), dtype=torch.float64)
         if present:  # one fused pass over all gradients (fp32 accumulation)
             norms = torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32)
-            out[present] = torch.stack(norms).double().cpu() ** 2
+            out[present] = (torch.stack(norms).double() / self._factor).cpu() ** 2  # unscaled (fp16)
         return out
 
     def _spike_limit(self) -> float:
@@ -222,6 +239,8 @@ class GradMonitor(DebugCallback):
             lead = (f"{kind} gradient in {first} (layer {layer_of(first)}) at {where}: {len(bad)}/{len(self._names)} "
                     f"parameters non-finite ({listed}); the loss was finite on every rank, so it arose in backward "
                     f"(a custom autograd op or hook, sqrt/log/div at 0) and the gradient reduction hides the rank")
+            if self._overflow.why:  # fp16: why the dynamic loss scaler's skip-and-lower does not cover it
+                lead += f"; not an overflow the loss scaler absorbs: {self._overflow.why}"
         # COLLECTIVE (every rank is in this branch): are the weights still finite? (proof: before the update)
         params_finite = not self.any_rank(trainer, any(not bool(torch.isfinite(local_param(p)).all())
                                                        for p in self._params))
@@ -265,6 +284,7 @@ class GradMonitor(DebugCallback):
         present = [g for g in grads if g is not None and g.numel() > 0]
         amax = torch.stack([torch.stack(torch.aminmax(g)).abs().max().float() for g in present]).max() \
             if present else torch.zeros(())
+        amax = amax / self._factor  # unscaled (fp16)
         if trainer.world_size > 1 and self._source != "replicated":  # COLLECTIVE, every rank (same cadence)
             amax = collectives.reduce(trainer, amax.reshape(1), "max")
         layer_norms = layer_sq.sqrt().tolist()
@@ -301,16 +321,20 @@ class GradMonitor(DebugCallback):
             if g is not None and trainer.global_rank == 0:
                 for lg in trainer.loggers:
                     if type(lg).__name__ == "TensorBoardLogger":
-                        lg.experiment.add_histogram(f"grad/hist/{name}", g.detach().float().cpu(), trainer.global_step)
+                        lg.experiment.add_histogram(f"grad/hist/{name}", (g.detach().float() / self._factor).cpu(),
+                                                    trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_rank == 0 and self._params:
             counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
+            absorbed = self._overflow.absorbed
             self.report(trainer, "info", "grad_summary",
                         f"checked {self._checked} steps ({len(self._params)} parameters, gradients from "
                         f"{self._source}); largest global norm {self._largest[0]:.4g} at step {self._largest[1]}; "
-                        f"anomalies: {counts}",
+                        f"anomalies: {counts}" + (f"; {absorbed} fp16 overflow step(s) the loss scaler skipped"
+                                                  if absorbed else ""),
                         details={"steps_checked": self._checked, "largest_norm": self._largest[0],
-                                 "counts": dict(self._counts), "source": self._source}, rank=None)
+                                 "counts": dict(self._counts), "source": self._source,
+                                 "overflows_absorbed": absorbed}, rank=None)
 
 

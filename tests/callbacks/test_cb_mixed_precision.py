@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsdebug.callbacks.mixed_precision.loss_scale import ScalerReader, subnormal_fraction
+from dsdebug.callbacks.loss_scale import ScalerReader
+from dsdebug.callbacks.mixed_precision.underflow import subnormal_fraction
 from dsdebug.callbacks.mixed_precision import MixedPrecisionCheck
 from dsdebug.errors import ConfigError
 from dsdebug.findings import get_channel

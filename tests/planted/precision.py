@@ -42,3 +42,44 @@ class RealFp16OnCpu(Callback):
                 self.overflow_step <= step < self.overflow_step + self.overflow_steps:
             output.register_hook(lambda g: g * self.factor)
         return output
+
+
+class DeepSpeedFp16OnCpu(RealFp16OnCpu):
+    """DeepSpeed's own fp16 (ZeRO's fp16 optimizer, its DynamicLossScaler) on this CPU, as ``trainer.precision=16-mixed``
+    runs it on a GPU: the gradients the checks read before ``engine.step()`` are still multiplied by the loss scale.
+    DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 (torch computes it anyway, emulated, slowly):
+    for this process it is told otherwise. ``initial_scale_power``/``hysteresis``/``min_loss_scale`` go to the ds_config
+    ``fp16`` section (Lightning's DeepSpeedStrategy writes it from these attributes); 32 makes the scaler search down
+    from 2^32, as Megatron starts, a normal run of skipped steps at the start. The overflow plant is RealFp16OnCpu's.
+    Use with ``strategy=zero2`` (or zero1/zero3)."""
+
+    def __init__(self, initial_scale_power: int = 16, hysteresis: int = 2, min_loss_scale: float = 1.0,
+                 loss_scale_window: int = 1000, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ds_fp16 = {"initial_scale_power": initial_scale_power, "hysteresis": hysteresis,
+                        "min_loss_scale": min_loss_scale, "loss_scale_window": loss_scale_window}
+        self._restore: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        from deepspeed.accelerator import get_accelerator
+        from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+        strategy = trainer.strategy
+        for key in ("fp16", "bf16"):
+            strategy.config.pop(key, None)
+        for key, value in self.ds_fp16.items():
+            setattr(strategy, key, value)  # _format_precision_config reads these when the engine starts
+        strategy.loss_scale = 0  # dynamic
+        strategy.precision_plugin = DeepSpeedPrecision("16-mixed")
+        acc = type(get_accelerator())
+        self._restore = (acc, acc.__dict__.get("is_fp16_supported"))
+        acc.is_fp16_supported = lambda self: True
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._restore is not None:
+            acc, original = self._restore
+            if original is None:
+                del acc.is_fp16_supported
+            else:
+                acc.is_fp16_supported = original
+            self._restore = None

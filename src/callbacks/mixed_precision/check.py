@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks.mixed_precision.loss_scale import FP16_TINY, ScalerReader, read_scaler, subnormal_fraction
+from dsdebug.callbacks.loss_scale import ScalerReader, read_scaler
+from dsdebug.callbacks.mixed_precision.underflow import FP16_TINY, subnormal_fraction
 from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
@@ -34,6 +35,14 @@ class MixedPrecisionCheck(DebugCallback):
     NaN/Inf, not a too-high scale), a scale that collapsed to its floor (training has effectively
     stopped: every step is skipped or its gradients underflow), too many skipped steps over a window,
     and, for weights kept in bf16 without fp32 master copies, updates rounded away (|dw| < ~2^-8 |w|).
+
+    A skipped step is the scaler doing its job. At the start it searches for a scale that fits: every
+    step overflows and halves the scale (after DeepSpeed's hysteresis) until the first one goes through
+    (from 2^16 a few steps, from Megatron's 2^32 a dozen or more). That initial search is not a streak:
+    streaks count from the first step that went through; the search is judged by the floor alone
+    (``loss_scale_min``: a NaN/Inf present from step 0 halves the scale down to it) and shown in the
+    summary (skipped steps, scale before -> after). The gradient checks read the same scaler
+    (``dsdebug.callbacks.loss_scale``): they judge unscaled gradients and leave absorbed overflows alone.
 
     Where the loss scale is read (python numbers, after each optimizer step; no collective): DeepSpeed fp16
     from ``engine.optimizer.loss_scaler`` (DynamicLossScaler: ``cur_scale``, ``min_scale``, hysteresis
@@ -69,21 +78,23 @@ class MixedPrecisionCheck(DebugCallback):
 
     | finding code | severity | when |
     |---|---|---|
-    | ``overflow_streak`` | warning / error | ``streak_warn`` / ``streak_error`` consecutive skipped steps |
+    | ``overflow_streak`` | warning / error | ``streak_warn`` / ``streak_error`` consecutive skipped steps after the scaler's initial search (the first step that goes through ends it) |
     | ``loss_scale_min`` | error | a step overflowed and the scale is at its floor (DeepSpeed ``min_scale``, else ``min_scale``) |
     | ``frequent_overflow`` | warning | > ``max_skip_fraction`` of the last ``window`` steps skipped (after ``warmup_steps``) |
     | ``bf16_update_underflow`` | warning | > ``max_stale_fraction`` of bf16 weight elements did not move (after ``warmup_steps``; once) |
     | ``grad_underflow`` | warning | > ``max_subnormal_fraction`` of non-zero fp16 gradient elements are subnormal |
-    | ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, worst stale fraction |
+    | ``precision_summary`` | info | at the end: precision, scaler, skipped steps, scale range, the initial search (skipped steps, scale before -> after), worst stale fraction |
 
     Resume (``state_attrs``, from the scaler every rank agrees on): the overflow streak, skipped and
-    observed steps, the skip window, whether the scale-floor error was reported. Not kept: the scale
+    observed steps, the skip window, whether the scale-floor error was reported, the initial search (over?
+    its skipped steps; a resumed run without it counts as past it). Not kept: the scale
     history (grows with the run) and the bf16 stale fraction (rank 0's own measurement).
     """
     name = "mixed_precision"
     policies = ("warn", "stop")
     policy_note = "skip: the scaler already skips an overflowed step"
-    state_attrs = ("streak", "skipped", "steps", "_recent", "_at_floor_reported")
+    state_attrs = ("streak", "skipped", "steps", "_recent", "_at_floor_reported", "_found", "search_skipped",
+                   "search_scale")
 
     def __init__(self, every_n_steps: int = 50, streak_warn: int = 4, streak_error: int = 10,
                  min_scale: float = 1.0, window: int = 100, max_skip_fraction: float = 0.05,
@@ -111,6 +122,9 @@ class MixedPrecisionCheck(DebugCallback):
         self._recent: deque[bool] = deque(maxlen=window)
         self._scales: list[float] = []
         self._at_floor_reported = False
+        self._found = False  # a step went through: the scaler's initial search is over
+        self.search_skipped = 0  # steps the initial search skipped
+        self.search_scale: float | None = None  # the scale it found
         self._stepped = False
         self._bf16: list[tuple[str, torch.nn.Parameter]] = []
         self._snap: list[torch.Tensor] | None = None
@@ -122,6 +136,7 @@ class MixedPrecisionCheck(DebugCallback):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         self.reader = read_scaler(trainer)
+        self._found = self._found or trainer.global_step > 0  # a resumed run is past its search
         self._source = grad_source(trainer.strategy)
         master = isinstance(trainer.strategy, DeepSpeedStrategy)  # its bf16/ZeRO optimizers keep fp32 masters
         self._bf16 = [] if master else [(display_name(n), p) for n, p in pl_module.named_parameters()
@@ -172,7 +187,14 @@ class MixedPrecisionCheck(DebugCallback):
         self.steps += 1
         self._scales.append(scale)
         self.skipped += skipped
-        self.streak = self.streak + 1 if skipped else 0
+        searching = skipped and not self._found  # the scaler's initial search: not a streak
+        self.search_skipped += searching
+        if not skipped and not self._found:
+            self._found, self.search_scale = True, scale
+            if self.search_skipped and trainer.global_rank == 0:
+                log.info("mixed_precision: the loss scaler's initial search skipped %d step(s) and settled at %g "
+                         "(step %d goes through)", self.search_skipped, scale, step)
+        self.streak = self.streak + 1 if skipped and not searching else 0
         floor = self.reader.min_scale() if self.reader is not None else None
         floor = self.min_scale if floor is None else floor
         details = {"scale": scale, "streak": self.streak, "skipped_steps": self.skipped, "steps": self.steps,
@@ -192,7 +214,7 @@ class MixedPrecisionCheck(DebugCallback):
             self._report(trainer, severity, "overflow_streak",
                          f"{self.streak} consecutive optimizer steps skipped for overflow (steps "
                          f"{step - self.streak + 1}..{step}); loss scale now {scale:g} (was "
-                         f"{self._scales[-self.streak - 1] if len(self._scales) > self.streak else float('nan'):g})"
+                         f"{self._scales[-self.streak - 1] if len(self._scales) > self.streak else self.reader.initial:g})"
                          + ("" if severity == "warning" else ": the gradients are non-finite whatever the scale"),
                          "a streak is a real NaN/Inf, not a too-high scale: look at the first skipped step's "
                          "batch and layers (grad_monitor, nan_triage); " + ADVICE, details, step=step)
@@ -254,6 +276,10 @@ class MixedPrecisionCheck(DebugCallback):
         if trainer.global_rank != 0:
             return
         scales = f", scale {min(self._scales):g}..{max(self._scales):g}" if self._scales else ""
+        if self.search_skipped:
+            after = f"{self.search_scale:g}" if self.search_scale is not None else "none found yet"
+            scales += (f"; the initial scale search skipped {self.search_skipped} of them "
+                       f"({self.reader.initial if self.reader else float('nan'):g} -> {after})")
         stale = f", worst bf16 stale fraction {self.worst_stale[0]:.3g} at step {self.worst_stale[1]}" \
             if self._bf16 else ""
         self.report(trainer, "info", "precision_summary",
@@ -263,5 +289,7 @@ class MixedPrecisionCheck(DebugCallback):
                     details={"precision": str(trainer.precision), "scaler": self.reader.kind if self.reader else None,
                              "skipped_steps": self.skipped, "steps": self.steps,
                              "min_scale_seen": min(self._scales) if self._scales else None,
+                             "initial_scale": self.reader.initial if self.reader else None,
+                             "search_skipped": self.search_skipped, "search_scale": self.search_scale,
                              "bf16_weights": len(self._bf16), "worst_stale_fraction": self.worst_stale[0]},
                     rank=None)
