@@ -66,6 +66,17 @@ def _at_accumulation_boundary(trainer: Any) -> bool:
     return trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary()
 
 
+def step_loss(pl_module: Any, outputs: Any) -> Any:
+    """This step's training loss as a tensor where it lives (no host read): the LM module's logged
+    ``train/loss`` (``last_train_loss``), else what ``training_step`` returned (a plain Lightning module); None
+    when neither is there. Not ``trainer.callback_metrics``: reading it makes Lightning copy every
+    progress-bar metric to the host (a device sync on a GPU) at each access."""
+    loss = getattr(pl_module, "last_train_loss", None)
+    if loss is None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return loss.detach() if hasattr(loss, "detach") else None
+
+
 def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:
     """The vocabulary of a causal LM whose loss is the mean token cross-entropy (an untrained model's is
     ~ln(vocab)): the net's output embedding size, else the datamodule's ``vocab_size``; None for other

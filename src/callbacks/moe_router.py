@@ -13,6 +13,7 @@ import torch
 
 from dsdebug.config.args import integer, number
 from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_access import step_loss
 from dsdebug.models.moe_aux import normalised_probs
 from dsdebug.distributed import collectives
 
@@ -126,8 +127,10 @@ class MoERouter(DebugCallback):
         self.layers, self.experts, self.top_k = list(moe.layers), moe.num_experts, moe.top_k
         self.aux_balanced = float(self.top_k) if moe.source == "model" else 1.0  # HF's scale: top_k; ours: 1
         n = len(self.layers)
-        self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64)
-        self._step_counts = torch.zeros(n, self.experts, dtype=torch.float64)  # this step's (early rule)
+        # the window's sums stay where the routing is (no host read per step: one at each window's close)
+        device = getattr(pl_module, "device", None) or torch.device("cpu")
+        self._window = torch.zeros(n * self.experts + 2 * n + 4, dtype=torch.float64, device=device)
+        self._step_counts = torch.zeros(n, self.experts, dtype=torch.float64, device=device)  # this step's (early rule)
         self._early_streak, self._early_named = [0] * n, set()
         self._early_closest = {"max_expert_frac": 0.0, "min_load_entropy": 1.0, "per_step": []}
         self._total = torch.zeros(n, self.experts, dtype=torch.float64)
@@ -166,21 +169,26 @@ class MoERouter(DebugCallback):
             return  # e.g. a partial forward; nothing reliable to count
         counts, ent, tokens = record_stats(records, self.experts)
         n, w = len(self.layers), self._window
+        if counts.device != w.device:  # the routing moved (a first forward before on_fit_start placed it)
+            self._window, self._step_counts = w.to(counts.device), self._step_counts.to(counts.device)
+            w = self._window
         w[: n * self.experts] += counts.reshape(-1)
         self._step_counts += counts.reshape(n, self.experts)
         w[n * self.experts: n * self.experts + n] += ent
-        w[n * self.experts + n: n * self.experts + 2 * n] += tokens
-        if aux is not None:
-            w[-4] += float(aux.detach()) / self.aux_balanced
+        w[n * self.experts + n: n * self.experts + 2 * n] += tokens.to(w.device)
+        if aux is not None:  # on the device: read at the window's close
+            w[-4] += aux.detach().double().reshape(()).to(w.device) / self.aux_balanced
             w[-3] += 1
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._moe is None:
             return
-        ce = trainer.callback_metrics.get("train/loss")
-        if ce is not None and math.isfinite(float(ce)):
-            self._window[-2] += float(ce)
-            self._window[-1] += 1
+        ce = step_loss(pl_module, outputs)
+        if isinstance(ce, torch.Tensor):  # a non-finite loss is left out, decided on the device (no host read)
+            ce = ce.detach().double().reshape(()).to(self._window.device)
+            finite = torch.isfinite(ce)
+            self._window[-2] += torch.where(finite, ce, torch.zeros_like(ce))
+            self._window[-1] += finite.double()
         step = trainer.global_step  # same on every rank: the window closes at the same point everywhere
         counts, self._step_counts = self._step_counts, torch.zeros_like(self._step_counts)
         if step - 1 < self.early_steps:  # every rank: the same steps
@@ -193,8 +201,8 @@ class MoERouter(DebugCallback):
     def _close(self, trainer: Any, pl_module: Any, start: int, end: int, full: bool) -> None:
         vec, self._window = self._window, torch.zeros_like(self._window)
         self._start = end
-        if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per window, every rank
-            vec = collectives.reduce(trainer, vec, "sum").cpu()
+        # COLLECTIVE (world > 1): one small all-reduce per window, every rank; then the window's one host read
+        vec = collectives.reduce(trainer, vec, "sum").cpu()
         n, e = len(self.layers), self.experts
         counts = vec[: n * e].reshape(n, e)
         if counts.sum() <= 0:
@@ -260,8 +268,8 @@ class MoERouter(DebugCallback):
 
     def _judge_early(self, trainer: Any, pl_module: Any, counts: torch.Tensor, step: int) -> None:
         """One step's load against a fresh router's prior (near uniform): EVERY rank, same branches."""
-        if trainer.world_size > 1:  # COLLECTIVE: one small all-reduce per step, first early_steps steps only
-            counts = collectives.reduce(trainer, counts, "sum").cpu()
+        # COLLECTIVE (world > 1): one small all-reduce per step, first early_steps steps only; a host read each
+        counts = collectives.reduce(trainer, counts, "sum").cpu()
         if counts.sum() <= 0:
             return
         st = window_stats(counts, torch.zeros(len(self.layers)), counts.sum(-1) / self.top_k, self.top_k)
@@ -358,12 +366,16 @@ def record_stats(records: list, num_experts: int) -> tuple[torch.Tensor, torch.T
         parts = [record_stats([r], num_experts) for r in records]
         return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
     n = len(records)
-    idx = torch.stack([r.topk_indices.reshape(-1) for r in records]).cpu()
-    idx = idx + torch.arange(n).unsqueeze(1) * num_experts
-    counts = torch.bincount(idx.reshape(-1), minlength=n * num_experts).reshape(n, num_experts).double()
+    idx = torch.stack([r.topk_indices.reshape(-1) for r in records])  # where the routing ran: no host copy
+    idx = idx + torch.arange(n, device=idx.device).unsqueeze(1) * num_experts
+    # counts by sort + searchsorted: deterministic on CUDA too (bincount's atomics are not, and under
+    # debug=full's deterministic mode PyTorch would flag our own op)
+    ordered = torch.sort(idx.reshape(-1)).values
+    edges = torch.searchsorted(ordered, torch.arange(n * num_experts + 1, device=idx.device, dtype=ordered.dtype))
+    counts = edges.diff().reshape(n, num_experts).double()
     probs = normalised_probs(torch.stack([r.logits.detach() for r in records]), records[0].score_func)
-    entropy = torch.special.entr(probs).sum(-1).sum(-1).double().cpu()
-    return counts, entropy, torch.full((n,), float(probs.shape[1]), dtype=torch.float64)
+    entropy = torch.special.entr(probs).sum(-1).sum(-1).double()
+    return counts, entropy, torch.full((n,), float(probs.shape[1]), dtype=torch.float64, device=counts.device)
 
 
 def window_stats(counts: torch.Tensor, ent_sum: torch.Tensor, tokens: torch.Tensor, top_k: int) -> dict:

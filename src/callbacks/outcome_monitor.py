@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import untrained_vocab
+from dsdebug.callbacks.grad_access import step_loss, untrained_vocab
 from dsdebug.config.args import boolean, integer, number
 from dsdebug.probes.causality import causality
 from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
@@ -105,7 +105,7 @@ class OutcomeMonitor(DebugCallback):
         self.prior = math.log(vocab) if vocab and vocab > 1 and not pretrained else None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = trainer.callback_metrics.get("train/loss")  # this rank's; summed where it lives: no device sync
+        loss = step_loss(pl_module, outputs)  # this rank's; summed where it lives: no device sync
         if loss is not None:
             self._train_sum, self._train_n = self._train_sum + loss.detach(), self._train_n + 1
         if self.probe_on_the_spot and isinstance(batch, dict) and "input_ids" in batch:

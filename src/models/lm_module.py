@@ -183,6 +183,9 @@ class CausalLMModule(L.LightningModule):
         total = loss if aux is None or self.moe.coef <= 0 else loss + self.moe.coef * aux.to(loss.device)
         shown = self._global_loss if "doc_ids" in batch else loss.detach()  # document rows: the global mean
         self.log("train/loss", shown, on_step=True, prog_bar=True)
+        # the logged train/loss of this step, for the checks (trainer.callback_metrics would make Lightning read
+        # every progress-bar metric on the host: a device sync per access on a GPU)
+        self.last_train_loss = shown
         if aux is not None:
             self.log("train/aux_loss", aux.detach(), on_step=True)
             # document rows: `loss` is this rank's share x world (see _global_token_mean), not a loss

@@ -150,12 +150,17 @@ def test_batch_content_rules_on_numbers():
     zipf = torch.distributions.Categorical(probs=1 / torch.arange(1, 4097).float())
     for step in range(4):  # Zipf-like "text" batches
         assert text.measure(zipf.sample((8, 128)), None, step, step) == []
-    assert text.measure(torch.randint(0, 4096, (8, 128), generator=g), None, 4, 4) == []  # judged one step later
-    assert [f["kind"] for f in text.measure(torch.zeros(8, 128, dtype=torch.long), None, 5, 5)] == ["random_ids"]
-    assert [f["kind"] for f in text.flush()] == ["one_token"]
+    assert text.measure(torch.randint(0, 4096, (8, 128), generator=g), None, 4, 4) == []  # queued: read later
+    assert text.measure(torch.zeros(8, 128, dtype=torch.long), None, 5, 5) == []
+    found = text.flush()  # one host read for the queue; each batch judged in order, at its own step
+    assert [(f["kind"], f["step"]) for f in found] == [("random_ids", 4), ("one_token", 5)]
     labels = torch.full((8, 128), -100)
     text.measure(zipf.sample((8, 128)), labels, 6, 6)
     assert [f["kind"] for f in text.flush()] == ["no_tokens"]
+    every = BatchContent(read_every=3)  # the queue is read by itself every read_every batches
+    assert every.measure(zipf.sample((8, 128)), None, 0, 0) == [] and every.measure(zipf.sample((8, 128)), None, 1, 1) == []
+    assert every.measure(zipf.sample((8, 128)), torch.full((8, 128), -100), 2, 2)[0]["kind"] == "no_tokens"
+    assert every._queued == []
     short = BatchContent()  # a short text batch among long ones has more distinct ids: no evidence of random ids
     for step in range(6):
         short.measure(zipf.sample((8, 512)), None, step, step)

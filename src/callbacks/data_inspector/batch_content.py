@@ -17,9 +17,10 @@ counts 0.5-2x the median number of tokens: the distinct share of text falls as a
 KJV tokens vs 22 % of 2,048, so a short batch among long ones is no evidence); ``top`` >= ``top_share``
 while the median is below half of it -> one token fills the batch. Random-token data (``data=synthetic``)
 is judged against its own batches, so it does not fire. Rank-local, no collective; the statistics are
-computed where the batch lives (a fixed-size count over the vocabulary), copied to the host without
-blocking (CUDA: a pinned buffer and an event) and read one step later, when the copy is done: no host
-sync in the step; a batch is named one step after it was trained on.
+computed where the batch lives (a fixed-size count over the vocabulary, the labels as weights: no boolean
+indexing, which syncs), kept there, and read ``read_every`` batches at a time (one host read of
+``[N x 3]`` numbers): each batch is judged in order with its own step, so a bad batch is named up to
+N - 1 steps after it trained, at the step it trained.
 """
 
 from __future__ import annotations
@@ -34,47 +35,44 @@ __all__ = ["BatchContent"]
 
 class BatchContent:
     def __init__(self, min_history: int = 2, ratio: float = 1.8, margin: float = 0.2, top_share: float = 0.9,
-                 history: int = 64) -> None:
+                 history: int = 64, read_every: int = 10) -> None:
         self.min_history, self.ratio, self.margin, self.top_share = min_history, ratio, margin, top_share
-        self.history = history
+        self.history, self.read_every = history, read_every
         self.distinct: list[float] = []
         self.top: list[float] = []
         self.counted: list[int] = []
-        # (host [distinct, top, n] or its pending copy, CUDA event or None, step, batch index)
-        self._queued: tuple[torch.Tensor, Any, int, int] | None = None
+        self._queued: list[tuple[torch.Tensor, int, int]] = []  # ([distinct, top, n] on the device, step, index)
         self.vocab: int | None = None
 
     def measure(self, ids: torch.Tensor, labels: torch.Tensor | None, step: int, index: int) -> list[dict]:
-        """Queue this batch's statistics (no sync) and judge the previous batch's (read now)."""
-        found = self.flush()
-        counted = ids if labels is None or labels.shape != ids.shape else ids[labels != -100]
-        flat = counted.reshape(-1).long()
+        """Queue this batch's statistics (computed where it lives, no sync); every ``read_every`` batches,
+        read the queue at once and judge each batch in order."""
+        flat = ids.reshape(-1).long()
+        if labels is not None and labels.shape == ids.shape:  # counted tokens as weights: no boolean indexing
+            weights = (labels.reshape(-1) != -100).to(torch.float32)
+        else:
+            weights = torch.ones_like(flat, dtype=torch.float32)
         if self.vocab is None:
             self.vocab = int(ids.max()) + 1 if ids.numel() else 1  # one host read, at the first batch
         vocab = max(self.vocab, 1)
         counts = torch.zeros(vocab, device=flat.device, dtype=torch.float32)
-        counts.index_add_(0, flat.clamp(0, vocab - 1), torch.ones_like(flat, dtype=torch.float32))
+        counts.index_add_(0, flat.clamp(0, vocab - 1), weights)
         n = counts.sum()
-        stats = torch.stack([(counts > 0).sum().float(), counts.max() if vocab else n, n])
-        event = None
-        if stats.is_cuda:
-            host = torch.empty(3, dtype=stats.dtype, pin_memory=True)
-            host.copy_(stats, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            stats = host
-        self._queued = (stats, event, step, index)
-        return found
+        self._queued.append((torch.stack([(counts > 0).sum().float(), counts.max(), n]), step, index))
+        return self.flush() if len(self._queued) >= self.read_every else []
 
     def flush(self) -> list[dict]:
-        """Judge the queued batch (a host read of three numbers)."""
-        if self._queued is None:
+        """Judge the queued batches in order (one host read of [N x 3] numbers)."""
+        if not self._queued:
             return []
-        stats, event, step, index = self._queued
-        self._queued = None
-        if event is not None:
-            event.synchronize()  # recorded a step ago: done by now, this does not wait for the current step
-        distinct, top, n = (float(x) for x in stats.tolist())
+        queued, self._queued = self._queued, []
+        rows = torch.stack([s for s, _, _ in queued]).cpu().tolist()
+        found: list[dict] = []
+        for (distinct, top, n), (_, step, index) in zip(rows, queued):
+            found += self._judge_one(distinct, top, n, step, index)
+        return found
+
+    def _judge_one(self, distinct: float, top: float, n: float, step: int, index: int) -> list[dict]:
         if n == 0:
             return [{"step": step, "batch_index": index, "counted_tokens": 0, "kind": "no_tokens"}]
         if n < 16:  # too few counted tokens to say anything

@@ -51,7 +51,7 @@ Artifacts (``<run_dir>/data_inspector/``): ``first_batch_rank<r>.json`` (+ ``.pt
 | ``label_not_shifted`` | error | labels equal the inputs and the module does not shift |
 | ``labels_all_ignored`` | error | every label is the ignore index (-100): no loss signal |
 | ``workers`` / ``workers_unseeded`` | info / warning | how dataloader workers are seeded |
-| ``batch_unlike_the_others`` | warning | a training batch whose tokens are unlike the run's other batches: one token fills it (a zero-filled / padding-only shard) or its ids look random (a binary file, another tokenizer's ids); per rank, named one step after it trained (``batch_content.py``; ``check_batch_content``) |
+| ``batch_unlike_the_others`` | warning | a training batch whose tokens are unlike the run's other batches: one token fills it (a zero-filled / padding-only shard) or its ids look random (a binary file, another tokenizer's ids); per rank, named at the step it trained, read with the next 9 batches (one host read per 10) (``batch_content.py``; ``check_batch_content``) |
 
 Metrics: none. Resume: nothing is carried over (``state_attrs`` is empty): each process records and
 checks its own data stream from its first batch.
@@ -111,7 +111,7 @@ class DataInspector(DatasetChecks, DebugCallback):
         self.overlap_max_tokens = overlap_max_tokens
         self._weights: torch.Tensor | None = None
         self._pending: list[tuple[torch.Tensor, int, int]] = []  # (device fingerprint, step, batch index)
-        self._order: list[str] = []
+        self._order: list[Any] = []  # the first batches' fingerprints, on the device until _finish_order
         self._order_offset: int | None = None
         self._order_done = False
         self._dup_reported = False
@@ -168,7 +168,7 @@ class DataInspector(DatasetChecks, DebugCallback):
         if self.order_batches and not self._order_done:
             if self._order_offset is None:
                 self._order_offset = total
-            self._order.append(f"{int(fp) & (2**64 - 1):016x}")  # host sync: first order_batches batches only
+            self._order.append(fp.detach().reshape(()))  # read once, when the order is written
             if len(self._order) >= self.order_batches:
                 self._finish_order(trainer)
         if trainer.world_size > 1:

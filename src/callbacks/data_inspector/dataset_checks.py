@@ -92,6 +92,12 @@ class DatasetChecks:
     # ---- data order: every rank, its own file ----------------------------------------
     def _finish_order(self, trainer: Any) -> None:
         self._order_done = True
+        held = [v for v in self._order if not isinstance(v, str)]  # fingerprints on the device: one host read
+        if held:
+            import torch
+
+            read = iter(torch.stack([v.reshape(()) for v in held]).cpu().tolist())
+            self._order = [v if isinstance(v, str) else f"{int(next(read)) & (2**64 - 1):016x}" for v in self._order]
         rank = trainer.global_rank
         record = {"rank": rank, "world_size": trainer.world_size, "seed": os.environ.get("PL_GLOBAL_SEED"),
                   "data_fingerprint": self._data_fp, "batch_size": self._batch_size(trainer),

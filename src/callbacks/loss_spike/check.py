@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from dsdebug.checkpoint import rollback as rb
-from dsdebug.config.args import boolean, integer, number, one_of
+from dsdebug.config.args import boolean, integer, number, one_of, optional
+from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad, untrained_vocab
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
@@ -53,10 +54,18 @@ class LossSpike(DebugCallback):
     rollback skips instead, and says so. After ``max_rollbacks`` rollbacks (or
     ``max_consecutive_skips`` skipped steps in a row) a further spike stops the run (exit 3).
 
-    Ranks: one all-reduce of (world + 1) numbers per optimizer step on EVERY rank (each rank's
-    loss, the gradient sum of squares); every decision uses the reduced values, so all ranks act
-    alike. A rollback adds one broadcast (the checkpoint rank 0 verified) and DeepSpeed's load.
-    Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP, ZeRO-1/2/3).
+    Host reads (a device sync each on a GPU): with ``policy=warn`` the step's values (each rank's loss, the
+    gradient sum of squares) stay on the device and are read, all-reduced and judged every
+    ``read_every_n_steps`` steps (default 10: one all-reduce of ``[N x (world + 1)]`` and one host read per
+    N steps); each step is judged in order with its own step and batch, so a spike is named up to N - 1
+    steps after it arose, at the step it arose. ``skip`` and ``rollback`` act before the update, so they
+    read and all-reduce every step (``read_every_n_steps`` must be 1 or null with them). The window still
+    waiting at a checkpoint is judged after it, not on a resume from it.
+
+    Ranks: every decision uses the all-reduced values, so all ranks act alike (EVERY rank reaches the same
+    reads at the same steps). A rollback adds one broadcast (the checkpoint rank 0 verified) and
+    DeepSpeed's load. Rank 0 writes the findings. Gradients are read as grad_monitor reads them (DDP,
+    ZeRO-1/2/3).
 
     Example::
 
@@ -87,7 +96,8 @@ class LossSpike(DebugCallback):
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,
                  min_rel_jump: float = 0.25, use_grad_norm: bool = True, grad_ratio: float = 3.0,
                  max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5,
-                 prior_margin: float = 0.5, early_min_steps: int = 3, early_jump: float = 1.0) -> None:
+                 prior_margin: float = 0.5, early_min_steps: int = 3, early_jump: float = 1.0,
+                 read_every_n_steps: int | None = None) -> None:
         super().__init__(on_error="warn")
         self.check_args(
             policy=(policy, one_of(*POLICIES)),
@@ -103,7 +113,15 @@ class LossSpike(DebugCallback):
             prior_margin=(prior_margin, number(0, note="0 = off")),
             early_min_steps=(early_min_steps, integer(1)),
             early_jump=(early_jump, number(0, open_low=True)),
+            read_every_n_steps=(read_every_n_steps, optional(integer(1), "auto: 10 with policy=warn, 1 with skip "
+                                                                          "or rollback")),
         )
+        if policy != "warn" and read_every_n_steps not in (None, 1):
+            raise ConfigError(f"callbacks.{self.name}.read_every_n_steps={read_every_n_steps} does not work with "
+                              f"policy={policy}: it acts before each update, so it reads every step; valid: 1 or null "
+                              "(or policy=warn)")
+        self.read_every = read_every_n_steps or (10 if policy == "warn" else 1)
+        self._queue: list[tuple[torch.Tensor, int, int, int | None]] = []  # (step's vector, step, epoch, batch)
         self.policy, self.use_grad_norm = policy, use_grad_norm
         self.max_rollbacks, self.max_consecutive_skips = max_rollbacks, max_consecutive_skips
         self.max_findings_per_code = max_findings_per_code
@@ -171,32 +189,49 @@ class LossSpike(DebugCallback):
         if self._loss_sum is None or not _at_accumulation_boundary(trainer):
             return
         world, rank = trainer.world_size, trainer.global_rank
-        vec = torch.zeros(world + 1, dtype=torch.float64)
-        vec[rank] = float(self._loss_sum)
-        self._loss_sum = None
+        loss_sum, self._loss_sum = self._loss_sum, None
+        vec = torch.zeros(world + 1, dtype=torch.float64, device=loss_sum.device)  # on the device: no host read
+        vec[rank] = loss_sum.double()
         if self._params:
             grads = [g for g in (local_grad(p, self._source) for p in self._params) if g is not None and g.numel()]
-            sq = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()) \
-                if grads else 0.0
-            vec[world] = sq / world if self._source == "replicated" else sq  # replicated: every rank has it all
-        if world > 1:  # COLLECTIVE, every rank, every optimizer step: one all-reduce of world + 1 numbers
-            vec = collectives.reduce(trainer, vec, "sum").cpu()
-        losses = vec[:world].tolist()
-        loss, gnorm = sum(losses) / world, (math.sqrt(vec[world]) if self._params else None)
+            if grads:
+                sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
+                vec[world] = sq.to(vec.device) / (world if self._source == "replicated" else 1)  # replicated: all
+        self._queue.append((vec, trainer.global_step, trainer.current_epoch, self._seen[-1][2] if self._seen else None))
+        last = 0 < (trainer.max_steps or -1) <= trainer.global_step + 1  # the run's last step: read it now
+        if len(self._queue) >= self.read_every or last:
+            self._read(trainer, pl_module)
+
+    def _read(self, trainer: Any, pl_module: Any) -> None:
+        """Judge the queued steps in order. COLLECTIVE (world > 1): one all-reduce of [N x (world + 1)] and one
+        host read, EVERY rank at the same step (the queue fills alike everywhere)."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return
+        world = trainer.world_size
+        rows = collectives.reduce(trainer, torch.stack([v for v, _, _, _ in queue]), "sum").cpu().tolist()
+        for row, (_, step, epoch, batch) in zip(rows, queue):
+            self._judge_step(trainer, pl_module, row[:world], math.sqrt(row[world]) if self._params else None,
+                             step, epoch, batch)
+
+    def _judge_step(self, trainer: Any, pl_module: Any, losses: list[float], gnorm: float | None, step: int,
+                    epoch: int, batch: int | None) -> None:
+        loss = sum(losses) / len(losses)
         v = self.detector.judge(loss, gnorm)
-        step, self._checked = trainer.global_step, self._checked + 1
+        self._checked += 1
         if v["score"] > self._largest["score"] and math.isfinite(v["score"]):
             self._largest = {"score": v["score"], "step": step, "z": v.get("z") or 0.0, "jump": v.get("jump") or 0.0}
-        if v["median"] is not None:
-            pl_module.log_dict({"spike/loss_median": v["median"], "spike/score": v["score"]}, on_step=True)
+        if v["median"] is not None and trainer.global_rank == 0:  # loggers write on rank 0; the step it judged
+            for lg in trainer.loggers:
+                lg.log_metrics({"spike/loss_median": v["median"], "spike/score": v["score"]}, step=step)
         if not v["spike"]:
             self.detector.push(step, loss, gnorm)
             self._in_row = 0
             return
-        self._on_spike(trainer, pl_module, v, losses)
+        self._on_spike(trainer, pl_module, v, losses, step, epoch, batch)
 
-    def _on_spike(self, trainer: Any, pl_module: Any, v: dict, losses: list[float]) -> None:
-        step, epoch, batch = trainer.global_step, trainer.current_epoch, self._seen[-1][2] if self._seen else None
+    def _on_spike(self, trainer: Any, pl_module: Any, v: dict, losses: list[float], step: int, epoch: int,
+                  batch: int | None) -> None:
         top = max(range(len(losses)), key=lambda r: losses[r] if math.isfinite(losses[r]) else math.inf)
         where = f"step {step} (epoch {epoch}, batch {batch})"
         rank_note = f"; largest local loss on rank {top} ({losses[top]:.4g})" if len(losses) > 1 else ""
@@ -208,7 +243,7 @@ class LossSpike(DebugCallback):
                 self.detector.push(step, details["loss"], v.get("grad_norm"))
             self._emit(trainer, "warning", "loss_spike", text + "; the update is applied (policy=warn)",
                        "inspect that batch (debug=data) and the LR/warm-up; policy=skip drops such updates, "
-                       "rollback also returns to the last verified checkpoint", details)
+                       "rollback also returns to the last verified checkpoint", details, step=step)
             return
         self._in_row += 1
         limit = self.policy == "rollback" and self._rollbacks >= self.max_rollbacks
@@ -218,7 +253,7 @@ class LossSpike(DebugCallback):
                    f"{self._in_row} spiking steps in a row (max_consecutive_skips={self.max_consecutive_skips})")
             finding = self._emit(trainer, "error", "loss_spike_persistent", f"{text}; stopping after {why}",
                                  "the loss does not come back: lower the LR, check the data from that batch on, "
-                                 "resume from an earlier checkpoint", details)
+                                 "resume from an earlier checkpoint", details, step=step)
             channel = get_channel()
             if channel.stop_request is None:
                 channel.stop_request = finding
@@ -227,7 +262,8 @@ class LossSpike(DebugCallback):
         pl_module.skip_optimizer_step = True  # every rank: lm_module drops this update
         if self.policy == "skip":
             self._emit(trainer, "warning", "loss_spike_skipped", text + "; this update was dropped on every rank",
-                       "if spikes repeat at the same data, inspect those batches (debug=data); lower the LR", details)
+                       "if spikes repeat at the same data, inspect those batches (debug=data); lower the LR", details,
+                       step=step)
         else:
             self._pending = {"text": text, "details": details, "step": step}
 
@@ -275,6 +311,7 @@ class LossSpike(DebugCallback):
         return finding
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._read(trainer, pl_module)  # COLLECTIVE (world > 1): the steps still queued, every rank
         if trainer.global_rank == 0:
             counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
             big = self._largest
