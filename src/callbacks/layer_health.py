@@ -18,6 +18,7 @@ from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                         local_param)
+from dsdebug.callbacks.loss_scale import read_scaler
 
 __all__ = ["LayerHealth"]
 
@@ -53,6 +54,9 @@ class LayerHealth(DebugCallback):
     in ``on_train_batch_end``, on every rank; every decision uses the reduced values, rank 0
     writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
     The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
+    fp16 (``dsdebug.callbacks.loss_scale``): gradient norms are the unscaled ones (DeepSpeed's gradients still
+    carry the loss scale in the hook; divided on the device), so a scale change moves no layer's history; an
+    overflowed step's non-finite norms are left out (grad_monitor's and the loss scaler's business).
 
     Example::
 
@@ -105,6 +109,7 @@ class LayerHealth(DebugCallback):
         self._pending: tuple | None = None
         self._counts: dict[str, int] = {}
         self._restored: dict[str, Any] | None = None  # a resume's state, until the layer table exists
+        self._scaler = None  # fp16: the run's loss scaler
         self.set_layers([], [])
 
     # ---- setup: every rank --------------------------------------------------------------
@@ -112,6 +117,7 @@ class LayerHealth(DebugCallback):
         named = [(display_name(n), p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._source = grad_source(trainer.strategy)
+        self._scaler = read_scaler(trainer)  # fp16: DeepSpeed's gradients are loss-scaled in the hook
         numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
         self.set_layers([layer_of(n) for n, _ in named], numel)
         if self._restored is not None:  # DDP: Lightning restored it before this hook rebuilt the per-layer state
@@ -171,7 +177,8 @@ class LayerHealth(DebugCallback):
         if self._early():  # non-zero gradient elements per layer (unseen embedding rows, idle experts are 0)
             nnz = self.per_layer(torch.tensor([float(g.count_nonzero()) if g is not None else 0.0 for g in grads],
                                               dtype=torch.float64))
-        self._pending = (step, self.per_layer(_sumsq(grads)), snapshot, w_sq, nnz)
+        factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0  # fp16: unscale
+        self._pending = (step, self.per_layer(_sumsq(grads, factor)), snapshot, w_sq, nnz)
 
     def _early(self) -> bool:
         return self.early_ratio > 0 and self._grad_checks < self.warmup_steps
@@ -356,10 +363,11 @@ def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).narrow(0, 0, max(0, min(part, p.ds_numel - start, t.numel())))
 
 
-def _sumsq(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+def _sumsq(tensors: list[torch.Tensor | None], scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Per tensor, the sum of squares of tensor / ``scale`` (fp16: the loss scale the gradients carry)."""
     present = [i for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
     out = torch.zeros(len(tensors), dtype=torch.float64)
     if present:  # one fused pass (fp32 accumulation)
         norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
-        out[present] = torch.stack(norms).double().cpu() ** 2
+        out[present] = (torch.stack(norms).double() / scale).cpu() ** 2
     return out

@@ -14,6 +14,7 @@ import torch
 from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
+from dsdebug.callbacks.loss_scale import OverflowJudge, read_scaler
 from dsdebug.findings import Finding
 from dsdebug.distributed import collectives
 
@@ -67,6 +68,15 @@ class NaNTriage(DebugCallback):
       The weights have not been updated yet, so the rerun sees exactly the step's state.
     - Rank 0 writes the finding; every rank applies ``on_error`` (warn | skip: drop this update | stop).
 
+    fp16 under a dynamic loss scaler (``dsdebug.callbacks.loss_scale``): a step whose loss is finite but whose
+    gradients overflowed is the scaler's job (it skips that update and lowers the scale): not rerun, not a
+    finding, counted in the summary -- through the scaler's initial search for a scale and up to 3 overflows
+    in a row after it. The reruns go to non-finite losses and to the overflows the scaler does not absorb
+    (the 4th in a row, or one at the scale's floor); their backward rerun differentiates the loss times the
+    step's loss scale, so an overflow meets the same fp16 range it met in the step (an unscaled rerun never
+    overflows and would read as transient). The gradient check sums in fp32 (an fp16 norm of finite
+    loss-scaled gradients overflows past 65504).
+
     Off unless added (``+callbacks=nan_triage``); with ``rerun: false`` it only reports ``nan_step``.
 
     Example::
@@ -78,7 +88,9 @@ class NaNTriage(DebugCallback):
     | ``nan_transient`` | error | a non-finite step whose rerun was finite on every rank (label ``transient``) |
     | ``nan_reproducible`` | error | non-finite again on rerun (label ``reproducible``); names rank, batch, first module |
     | ``nan_step`` | error | a non-finite step not rerun (``rerun: false``, ``max_reruns`` used up, or ZeRO-3 gradient-only) |
-    | ``nan_summary`` | info | at the end: non-finite steps and their labels |
+    | ``nan_summary`` | info | at the end: non-finite steps and their labels, fp16 overflows the loss scaler absorbed |
+
+    None of these for an fp16 overflow the dynamic loss scaler absorbs (see above).
 
     It logs no metrics. Resume (``state_attrs``, decided from all-reduced flags, alike on every rank):
     the reruns done (``max_reruns`` counts over the whole run) and the labels of the non-finite steps.
@@ -100,11 +112,15 @@ class NaNTriage(DebugCallback):
         self._batch_idx: int | None = None
         self._rng: tuple | None = None
         self._params: list[torch.Tensor] = []
+        self._scaler = None
+        self._overflow = OverflowJudge(None)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self._source = grad_source(trainer.strategy)
         self._modules = [(display_name(n), m) for n, m in pl_module.named_modules() if n]
+        self._scaler = read_scaler(trainer)  # fp16: which non-finite gradients the loss scaler absorbs
+        self._overflow = OverflowJudge(self._scaler, resumed=trainer.global_step > 0)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
@@ -125,17 +141,21 @@ class NaNTriage(DebugCallback):
         self._loss_bad = None
         if self.check_grads:
             grads = [g for g in (local_grad(p, self._source) for p in self._params) if g is not None and g.numel()]
-            if grads:  # one fused pass; a NaN/Inf anywhere makes its norm non-finite
-                vec[world] = float(not torch.isfinite(torch.stack(torch._foreach_norm(grads, 2))).all())
+            if grads:  # one fused pass; a NaN/Inf anywhere makes its norm non-finite (fp32: an fp16 norm of
+                # finite loss-scaled gradients overflows past 65504)
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                vec[world] = float(not torch.isfinite(torch.stack(norms)).all())
         if world > 1:  # COLLECTIVE, every rank, every step: one all-reduce of world+1 numbers
             vec = collectives.reduce(trainer, vec, "sum").cpu()
         loss_ranks = [r for r, v in enumerate(vec[:world].tolist()) if v > 0]
         grad_bad = bool(vec[world] > 0)
-        if not loss_ranks and not grad_bad:
-            return
+        verdict = self._overflow.judge(not loss_ranks, not grad_bad)  # same flags, same verdict on every rank
+        if verdict != "not_absorbed":
+            return  # finite, or an fp16 overflow the loss scaler skips and lowers the scale for (counted)
         step, batch_idx = trainer.global_step, self._batch_idx
         what = (f"non-finite loss on rank(s) {loss_ranks}" if loss_ranks else
-                "finite loss on every rank but non-finite gradients")
+                "finite loss on every rank but non-finite gradients"
+                + (f" ({self._overflow.why})" if self._overflow.why else ""))
         where = f"step {step}, batch {batch_idx}"
         if not self.rerun or self.reruns >= self.max_reruns or self._batch is None:
             why = "rerun: false" if not self.rerun else f"max_reruns={self.max_reruns} used up"
@@ -152,10 +172,13 @@ class NaNTriage(DebugCallback):
                                 {"loss_ranks": loss_ranks, "grad_nonfinite": grad_bad, "batch_idx": batch_idx},
                                 loss_ranks)
         self.reruns += 1
-        bad_ranks, module_of = self._rerun(trainer, pl_module, backward)
+        scale = self._scaler.backward_scale() if backward and self._scaler is not None else 1.0
+        bad_ranks, module_of = self._rerun(trainer, pl_module, backward, scale)
         details = {"loss_ranks": loss_ranks, "grad_nonfinite": grad_bad, "batch_idx": batch_idx,
                    "rerun": "forward+backward" if backward else "forward", "rerun_nonfinite_ranks": bad_ranks,
                    "rerun_index": self.reruns}
+        if self._scaler is not None and backward:
+            details["rerun_loss_scale"] = float(scale)  # a host read on a rerun step only
         if not bad_ranks:
             details["label"] = "transient"
             return self._finish(
@@ -181,8 +204,10 @@ class NaNTriage(DebugCallback):
                      f"in low precision); lower the LR; on_error=skip drops this update",
                      details, bad_ranks)
 
-    def _rerun(self, trainer: Any, pl_module: Any, backward: bool) -> tuple[list[int], dict[int, tuple[str, int]]]:
-        """EVERY rank: recompute the step's loss (and gradients) from the saved batch/RNG; agree on the result.
+    def _rerun(self, trainer: Any, pl_module: Any, backward: bool,
+               scale: float | torch.Tensor = 1.0) -> tuple[list[int], dict[int, tuple[str, int]]]:
+        """EVERY rank: recompute the step's loss (and gradients, of the loss x ``scale``: the step's fp16 loss
+        scale) from the saved batch/RNG; agree on the result.
         Returns the ranks whose rerun was non-finite and, per rank, the first module whose output went
         non-finite as (name, position among the module calls in the order the forward finished them:
         a child finishes before its parent, so the innermost module where it arose comes first)."""
@@ -206,7 +231,7 @@ class NaNTriage(DebugCallback):
                 loss = self._loss(pl_module)
                 bad = not bool(torch.isfinite(loss.detach()).all())
                 if backward and not bad:
-                    grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+                    grads = torch.autograd.grad(loss * scale, self._params, allow_unused=True)
                     bad = not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
         finally:
             for h in handles:
@@ -243,13 +268,18 @@ class NaNTriage(DebugCallback):
             self._apply_policy(trainer, Finding(self.name, "error", code, message, advice, step=step, rank=rank))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        absorbed = self._overflow.absorbed
+        overflows = f"; {absorbed} fp16 overflow step(s) the loss scaler absorbed (not rerun)" if absorbed else ""
+        fp16 = {"overflows_absorbed": absorbed} if self._scaler is not None else {}
         if trainer.global_rank == 0 and not self.labels:
-            self.report(trainer, "info", "nan_summary", "no non-finite step", details={"reruns": 0}, rank=None)
+            self.report(trainer, "info", "nan_summary", "no non-finite step" + overflows,
+                        details={"reruns": 0, **fp16}, rank=None)
         elif trainer.global_rank == 0:
             counts = {lab: sum(1 for v in self.labels.values() if v == lab) for lab in set(self.labels.values())}
             self.report(trainer, "info", "nan_summary",
                         f"{len(self.labels)} non-finite step(s): " + ", ".join(f"{k} x{v}" for k, v in
                                                                              sorted(counts.items()))
-                        + f"; {self.reruns} rerun(s)", details={"labels": {str(k): v for k, v in self.labels.items()},
-                                                                "reruns": self.reruns}, rank=None)
+                        + f"; {self.reruns} rerun(s)" + overflows,
+                        details={"labels": {str(k): v for k, v in self.labels.items()}, "reruns": self.reruns,
+                                 **fp16}, rank=None)
 

@@ -17,6 +17,7 @@ from dsdebug.config.args import boolean, integer, number, one_of, optional
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad, untrained_vocab
+from dsdebug.callbacks.loss_scale import read_scaler
 from dsdebug.callbacks.loss_spike.window import SpikeWindow
 from dsdebug.findings import Finding, get_channel
 from dsdebug.distributed import collectives
@@ -61,6 +62,10 @@ class LossSpike(DebugCallback):
     steps after it arose, at the step it arose. ``skip`` and ``rollback`` act before the update, so they
     read and all-reduce every step (``read_every_n_steps`` must be 1 or null with them). The window still
     waiting at a checkpoint is judged after it, not on a resume from it.
+
+    fp16 (``dsdebug.callbacks.loss_scale``): the gradient norm is the unscaled one (DeepSpeed's gradients still
+    carry the loss scale here; divided on the device); a step whose gradients overflowed (the loss scaler skips
+    that update) is judged by its loss alone.
 
     Ranks: every decision uses the all-reduced values, so all ranks act alike (EVERY rank reaches the same
     reads at the same steps). A rollback adds one broadcast (the checkpoint rank 0 verified) and
@@ -131,6 +136,7 @@ class LossSpike(DebugCallback):
         self._loss_sum: torch.Tensor | None = None
         self._seen: deque[tuple[int, int, int]] = deque(maxlen=100_000)  # (step, epoch, batch_idx)
         self._params: list[torch.Tensor] = []
+        self._scaler = None  # fp16: the run's loss scaler (dsdebug.callbacks.loss_scale)
         self._pending: dict | None = None
         self._counts: dict[str, int] = {}
         self._checked = self._rollbacks = self._in_row = 0
@@ -140,6 +146,7 @@ class LossSpike(DebugCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._source = grad_source(trainer.strategy)
         self._params = [p for p in pl_module.parameters() if p.requires_grad] if self.use_grad_norm else []
+        self._scaler = read_scaler(trainer) if self._params else None  # fp16: DeepSpeed's gradients are loss-scaled
         vocab = untrained_vocab(trainer, pl_module)
         self.detector.prior = math.log(vocab) if vocab and vocab > 1 else None
 
@@ -195,7 +202,10 @@ class LossSpike(DebugCallback):
         if self._params:
             grads = [g for g in (local_grad(p, self._source) for p in self._params) if g is not None and g.numel()]
             if grads:
-                sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
+                norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double()
+                if self._scaler is not None:  # fp16: the unscaled norm (on the device: no host read)
+                    norms = norms / self._scaler.grad_factor(optimizer)
+                sq = norms.pow(2).sum()
                 vec[world] = sq.to(vec.device) / (world if self._source == "replicated" else 1)  # replicated: all
         self._queue.append((vec, trainer.global_step, trainer.current_epoch, self._seen[-1][2] if self._seen else None))
         last = 0 < (trainer.max_steps or -1) <= trainer.global_step + 1  # the run's last step: read it now
@@ -211,8 +221,10 @@ class LossSpike(DebugCallback):
         world = trainer.world_size
         rows = collectives.reduce(trainer, torch.stack([v for v, _, _, _ in queue]), "sum").cpu().tolist()
         for row, (_, step, epoch, batch) in zip(rows, queue):
-            self._judge_step(trainer, pl_module, row[:world], math.sqrt(row[world]) if self._params else None,
-                             step, epoch, batch)
+            gnorm = math.sqrt(row[world]) if self._params else None
+            if gnorm is not None and not math.isfinite(gnorm) and self._scaler is not None:
+                gnorm = None  # an fp16 overflow: the loss scaler skips that update; the loss alone judges the step
+            self._judge_step(trainer, pl_module, row[:world], gnorm, step, epoch, batch)
 
     def _judge_step(self, trainer: Any, pl_module: Any, losses: list[float], gnorm: float | None, step: int,
                     epoch: int, batch: int | None) -> None:
