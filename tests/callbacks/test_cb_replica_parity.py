@@ -43,6 +43,24 @@ def test_checksums_see_one_flipped_bit_and_swapped_elements_but_not_summation_or
     assert ints[0, 0] == 6 and ints[1, 0] == 1
 
 
+def test_checksums_run_on_each_tensors_device_with_no_host_read():
+    """Multi-GPU: parameters on CUDA, optimizer scalars on the CPU. The sums are computed on each tensor's
+    own device (the weights made there, cached per device) and the table lands on the collective's device.
+    Shown with the ``meta`` device: an op mixing it with a CPU tensor raises as CUDA would ("Tensor on
+    device cpu is not on the expected device meta"), and any read of a value on the host raises ("Cannot
+    copy out of meta tensor"), so this passes only with no per-value host read."""
+    meta = [torch.empty(1000, device="meta"), torch.empty(3, 4, device="meta", dtype=torch.bfloat16),
+            torch.empty(5, device="meta", dtype=torch.complex64), torch.empty(7, device="meta", dtype=torch.int64)]
+    weights: dict = {}
+    out = checksums([*meta, torch.tensor([0.5], dtype=torch.float64)], weights, device="meta")
+    assert out.shape == (5, 3) and out.dtype == torch.int64 and out.device.type == "meta"
+    assert {d.type for d in weights} == {"meta", "cpu"}  # made on each device, never copied across
+    assert all(w.device == d and w.numel() >= 1000 for d, w in weights.items())
+    kept = dict(weights)
+    checksums(meta, weights, device="meta")
+    assert all(weights[d] is kept[d] for d in kept)  # cached: one arange per device per run
+
+
 def test_divergent_names_the_odd_rank_against_the_majority_and_rank0_on_a_tie():
     a, b = torch.tensor([[1, 2, 0], [3, 4, 0]]), torch.tensor([[1, 2, 0], [3, 5, 0]])
     assert divergent(torch.stack([a, a, a])) == []

@@ -15,7 +15,7 @@ import torch
 from dsdebug.config.args import boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name
-from dsdebug.callbacks.replica_parity.checksums import _PRIME, _fp64, _scalar, checksums, divergent
+from dsdebug.callbacks.replica_parity.checksums import _fp64, _scalar, checksums, divergent
 from dsdebug.distributed import collectives
 
 __all__ = ["ReplicaParity", "checksums", "divergent"]
@@ -55,8 +55,9 @@ class ReplicaParity(DebugCallback):
     at ``on_train_end``): each rank computes three numbers per tensor: the wrapping int32 sum of its raw bits,
     a position-weighted sum of its bits (both exact and order-independent: they detect any single
     bit flip and swapped elements, with no tolerance and no false alarm from summation order) and
-    the sum of its values (only for the message). ONE ``all_gather`` of ``[n_entries x 3]``
-    int64 follows; every rank compares the same table, so every rank reaches the same verdict (a
+    the sum of its values (only for the message), computed on the tensor's own device (no value read on
+    the host per tensor; the table is one tensor on the collective's device). ONE ``all_gather`` of
+    ``[n_entries x 3]`` int64 follows, read on the host once; every rank compares the same table, so every rank reaches the same verdict (a
     ``stop`` policy acts on all); rank 0 writes the finding. The reference is the largest group of
     equal ranks (rank 0's on a tie: with 2 ranks there is no majority, rank 0 is the reference).
     One process: nothing to compare, the hooks return at once.
@@ -118,7 +119,7 @@ class ReplicaParity(DebugCallback):
                                                   for k in _KINDS}
         self._counts: dict[str, int] = {}
         self._checks, self._ms, self._fit_step = 0, [], None
-        self._weights: torch.Tensor | None = None
+        self._weights: dict[torch.device, torch.Tensor] = {}  # position weights per device (checksums)
 
     def bind_config(self, cfg: Any) -> None:
         """The run's config (entry.build calls this), hashed like the consistency check does."""
@@ -209,12 +210,12 @@ class ReplicaParity(DebugCallback):
     def _check(self, trainer: Any, pl_module: Any, step: int, when: str) -> None:
         started = time.perf_counter()
         tensors = [get() for _, _, get in self._entries]
-        longest = max(t.numel() for t in tensors)
-        if self._weights is None or self._weights.numel() < longest:
-            self._weights = torch.arange(longest, dtype=torch.int32) % _PRIME + 1
-        mine = checksums(tensors, self._weights)
-        device = trainer.strategy.root_device  # COLLECTIVE, every rank: one all_gather of [n x 3] int64
-        gathered = collectives.all_gather(trainer, mine.to(device)).cpu().reshape(trainer.world_size, *mine.shape)
+        # computed on each tensor's device (position weights cached per device), the table on the
+        # collective's device, read on the host once: after the gather
+        device = trainer.strategy.root_device
+        mine = checksums(tensors, self._weights, device=device)
+        # COLLECTIVE, every rank: one all_gather of [n x 3] int64
+        gathered = collectives.all_gather(trainer, mine).cpu().reshape(trainer.world_size, *mine.shape)
         self._checks += 1
         self._ms.append((time.perf_counter() - started) * 1e3)
         found: dict[str, list] = {k: [] for k in _KINDS}
