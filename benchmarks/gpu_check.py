@@ -16,7 +16,9 @@ each recorded as passed / failed / error / skipped without stopping the others:
    exit 0 and no warning/error finding (a GPU false alarm is a bug: each is listed).
 3. ``fp16``: DeepSpeed's dynamic loss scaler: the loss-scale trajectory (every step), a planted overflow
    (``gpu_check_planted.Fp16Overflow``) that the mixed-precision check must name (``overflow_streak``),
-   a planted NaN (``tests.planted.nan.NaNOutput``) that nan_triage must name with its module.
+   a planted NaN (``tests.planted.nan.NaNOutput``) that nan_triage must name with its module; the healthy
+   fp16 steps (before each plant, and after the NaN, whose update the scaler skips) without a warning or
+   error finding: the checks judge unscaled gradients and leave the overflows the scaler absorbs to it.
 4. ``throughput``: a ~0.6B-parameter DeepSeek-V3 (``BIG_MODEL``), bf16, seq 2048, ZeRO-2: train.py
    ``debug=none`` vs ``gpu_check_raw.py`` (``deepspeed.initialize`` + a for-loop) in the same command:
    tokens/s, MFU against the GPU's dense bf16 peak (``dsdebug.models.flops.GPU_PEAK_TFLOPS``, by device
@@ -181,6 +183,20 @@ def judge_zero(runs: dict[str, dict]) -> dict[str, Any]:
     return out
 
 
+def _alarms(run: dict, keep: Any) -> list[dict]:
+    """A run's warning/error findings at the steps ``keep(step)`` selects; the report's advisor is left out
+    (step None: it sums up the other findings, which are judged themselves)."""
+    return [f for f in run.get("loud_findings", []) if f.get("check") != "advisor" and keep(f.get("step") or 0)]
+
+
+def _scale_search(run: dict) -> dict[str, Any] | None:
+    """The loss scaler's start (mixed_precision's precision_summary): initial scale, skipped steps, scale found."""
+    summary = findings_of(run, "mixed_precision", "precision_summary")
+    details = (summary[-1].get("details") or {}) if summary else {}
+    return {k: details.get(k) for k in ("initial_scale", "search_skipped", "search_scale", "skipped_steps")} \
+        if details.get("scaler") else None
+
+
 def judge_fp16(s: Settings, runs: dict[str, dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     problems = []
@@ -188,11 +204,17 @@ def judge_fp16(s: Settings, runs: dict[str, dict]) -> dict[str, Any]:
     if nan is not None:
         hits = findings_of(nan, "nan_triage", "nan_reproducible")
         named = [f for f in hits if (f.get("details") or {}).get("module") == PLANT_MODULE]
+        # fp16: the scaler skips the NaN's update, so every step but the plant's is a healthy fp16 step;
+        # fp32 (the dry run) applies it and the later steps go non-finite: only those before the plant count
+        stray = _alarms(nan, (lambda st: st != s.nan_at) if s.cuda else (lambda st: st < s.nan_at))
         out["nan"] = {"result": run_line(nan), "planted": f"{PLANT_MODULE} at step {s.nan_at}",
                       "found": [{"step": f.get("step"), "message": str(f.get("message"))[:300]} for f in hits],
-                      "named": bool(named), "precision": "16-mixed" if s.cuda else "32-true (CPU)"}
+                      "named": bool(named), "precision": "16-mixed" if s.cuda else "32-true (CPU)",
+                      "false_alarms": stray, "scale_search": _scale_search(nan)}
         if not ok(nan) or not named:
             problems.append(f"planted NaN: {run_line(nan)}, named with its module: {bool(named)}")
+        if stray:
+            problems.append(f"planted NaN: {len(stray)} warning/error finding(s) on healthy steps (false alarms)")
     if not s.cuda:
         out["trajectory"] = out["overflow"] = "skipped: no CUDA"
     else:
@@ -203,11 +225,11 @@ def judge_fp16(s: Settings, runs: dict[str, dict]) -> dict[str, Any]:
                              "before_plant": [v for st, v in scale if st < s.overflow_at]}
         streak = findings_of(run, "mixed_precision", "overflow_streak")
         hit = [f for f in streak if (f.get("step") or -1) >= s.overflow_at]
-        early = [f for f in run.get("loud_findings", []) if (f.get("step") or 0) < s.overflow_at]
+        early = _alarms(run, lambda st: st < s.overflow_at)
         out["overflow"] = {"result": run_line(run), "planted": f"{PLANT_MODULE} gradient x1e30, steps "
                            f"{s.overflow_at}..{s.overflow_at + 5}", "found": [{"step": f.get("step"), "severity":
                            f.get("severity"), "message": str(f.get("message"))[:300]} for f in streak],
-                           "named": bool(hit), "alarms_before_plant": early}
+                           "named": bool(hit), "alarms_before_plant": early, "scale_search": _scale_search(run)}
         if not ok(run) or not hit:
             problems.append(f"planted overflow: {run_line(run)}, overflow_streak found: {bool(hit)}")
         if not scale:

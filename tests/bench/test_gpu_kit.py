@@ -249,6 +249,34 @@ def test_fp16_judge_wants_the_overflow_named_after_the_plant_and_the_nan_named_w
     assert gpu_check.judge_fp16(s, silent)["status"] == "failed"
 
 
+def test_fp16_judge_wants_the_healthy_fp16_steps_silent():
+    """2026-11-28's fp16 run: grad_exploding on the loss-scaled norm at every step and nan_transient on the
+    scaler's normal steps before the plant, the advisor's step-less summary counted as one more; the judge
+    must fail the first two, wherever they fall, and let the advisor and the plant's own step be."""
+    s = gpu_check.Settings(dry_run=False, cuda=True)
+    nan_hit = _finding("nan_triage", "nan_reproducible", s.nan_at, "error", module=gpu_check.PLANT_MODULE)
+    at_plant = [nan_hit, _finding("grad_monitor", "nonfinite_grad", s.nan_at, "error"),
+                _finding("loss_spike", "loss_spike", s.nan_at), _finding("advisor", "mixed_precision_unstable", None),
+                _finding("advisor", "loss_diverging", s.nan_at, "error")]
+    streak = _finding("mixed_precision", "overflow_streak", s.overflow_at + 3)
+    good = {"fp16_overflow": _run([streak, _finding("advisor", "mixed_precision_unstable", None)],
+                                  {"precision/loss_scale": [(0, 65536.0)]}),
+            "fp16_nan": _run(at_plant)}
+    got = gpu_check.judge_fp16(s, good)
+    assert got["status"] == "passed" and got["nan"]["false_alarms"] == [] and got["overflow"]["alarms_before_plant"] == []
+    for step in (0, s.nan_at - 1, s.nan_at + 1, 29):  # before the plant, and after it: the scaler skipped its update
+        bad = {**good, "fp16_nan": _run([*at_plant, _finding("grad_monitor", "grad_exploding", step, "error")])}
+        assert gpu_check.judge_fp16(s, bad)["problems"] == [
+            "planted NaN: 1 warning/error finding(s) on healthy steps (false alarms)"], step
+    # the dry run is fp32: the NaN's update is applied and the later steps go non-finite, only earlier ones count
+    dry = gpu_check.Settings(dry_run=True, cuda=False)
+    later = _finding("nan_triage", "nan_step", dry.nan_at + 1, "error")
+    assert gpu_check.judge_fp16(dry, {"fp16_nan": _run([{**nan_hit, "step": dry.nan_at}, later])})["status"] == "passed"
+    assert gpu_check.judge_fp16(dry, {"fp16_nan": _run([{**nan_hit, "step": dry.nan_at},
+                                                        _finding("nan_triage", "nan_transient", 0, "error")])}
+                                )["problems"] == ["planted NaN: 1 warning/error finding(s) on healthy steps (false alarms)"]
+
+
 def test_throughput_judge_mfu_against_the_devices_peak_and_the_ratio():
     s = gpu_check.Settings(dry_run=False, cuda=True)
     facts = {"tokens_per_step": 16384, "flops_per_token": 2e9}
