@@ -109,7 +109,7 @@ def read_scaler(trainer: Any) -> ScalerReader | None:
     if isinstance(trainer.strategy, DeepSpeedStrategy):
         engine = trainer.strategy.deepspeed_engine
         return ScalerReader("deepspeed", engine) if engine.fp16_enabled() else None
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return ScalerReader("torch", scaler) if scaler is not None and scaler.is_enabled() else None
 
 

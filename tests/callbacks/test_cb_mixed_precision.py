@@ -107,8 +107,10 @@ RUN = [*SMOKE, *TINY_NET, "strategy=ddp", "+callbacks=mixed_precision", "callbac
 
 
 def test_real_fp16_on_cpu_planted_overflow_streak_named_with_advice(tmp_path, shared_cache):
-    run_dir = tmp_path / "run"
-    train_in_process([*RUN, "trainer.max_steps=14", "callbacks.mixed_precision.min_scale=64",
+    run_dir = tmp_path / "run"  # with the gradient checks: Lightning's torch AMP path of the loss scale
+    checks = [o.replace("+callbacks=mixed_precision", "+callbacks=[mixed_precision,grad_monitor,nan_triage]")
+              for o in RUN]
+    train_in_process([*checks, "trainer.max_steps=14", "callbacks.mixed_precision.min_scale=64",
                       "+callbacks.planted._target_=tests.planted.precision.RealFp16OnCpu",
                       "+callbacks.planted.module=mlp.2", "+callbacks.planted.overflow_step=3",
                       "+callbacks.planted.overflow_steps=20"], run_dir, shared_cache)
@@ -124,6 +126,17 @@ def test_real_fp16_on_cpu_planted_overflow_streak_named_with_advice(tmp_path, sh
         and "bf16" in warn["advice"] and "max_norm=1.0" in warn["advice"]
     summary = one(found, "precision_summary")["details"]
     assert summary["scaler"] == "torch" and summary["skipped_steps"] == 11 and summary["precision"] == "16-mixed"
+    # the first 3 overflows are the scaler's to absorb (skip + lower the scale); from the 4th in a row (step 6,
+    # when overflow_streak warns) grad_monitor names the parameters and nan_triage reruns it -- with the step's
+    # loss scale (65536 / 2^3), so the overflow comes back: reproducible, arisen in backward
+    grads = [r for r in read_findings(run_dir, "grad_monitor") if r["code"] == "nonfinite_grad"]
+    assert grads[0]["step"] == 6 and "not an overflow the loss scaler absorbs: 4 overflowed steps in a row" \
+        in grads[0]["message"]
+    nan = read_findings(run_dir, "nan_triage")
+    assert [(r["code"], r["step"]) for r in nan if r["severity"] != "info"][:3] == [
+        ("nan_reproducible", 6), ("nan_reproducible", 7), ("nan_reproducible", 8)]
+    assert nan[0]["details"]["rerun_loss_scale"] == 8192.0 and nan[0]["details"]["arose_in"] == "backward"
+    assert one(nan, "nan_summary")["details"]["overflows_absorbed"] == 3
 
 
 def test_bf16_weights_with_tiny_lr_updates_rounded_away(tmp_path, shared_cache):

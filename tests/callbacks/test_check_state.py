@@ -44,7 +44,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "LossSpike": {"_rollbacks": 1, "_in_row": 2, "_counts": {"loss_spike": 3}, "_checked": 40,
                   "_largest": {"score": 1.5, "step": 30, "z": 9.0, "jump": 0.5}},
     "MixedPrecisionCheck": {"streak": 2, "skipped": 5, "steps": 60, "_recent": deque([False, True, True], maxlen=100),
-                            "_at_floor_reported": True},
+                            "_at_floor_reported": True, "_found": True, "search_skipped": 6, "search_scale": 2048.0},
     "MoERouter": {"_imbalanced": [0, 2], "_dead_seen": {(1, 3), (2, 0)}, "_aux": [(1.2, 7.5), (1.3, 7.1)],
                   "_aux_reported": True, "_counts": {"dead_experts": 1}},
     "NaNTriage": {"reruns": 2, "labels": {12: "transient", 30: "reproducible"}},
