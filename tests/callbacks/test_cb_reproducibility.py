@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -191,3 +192,98 @@ def test_hash_seed_late_only_where_another_process_hashes_differently(tmp_path, 
         assert bool(late) is said, (name, late)
         cb.teardown(trainer, None, "fit")
     assert "2 data-loader worker(s) started by spawn" in late[0]["message"]
+
+
+# ---- which presets switch deterministic kernels on (issue 33: light must not; repro and full do) ----------
+_ONE_STEP = ["trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.limit_val_batches=1",
+             "trainer.num_sanity_val_steps=0", "export.fp32=false", "export.hf=false", "~callbacks.model_checkpoint",
+             "+callbacks.flag_witness._target_=tests.planted.data.FlagWitness"]
+
+
+@pytest.mark.parametrize("preset, on", [("light", False), ("repro", True), ("full", True)])
+def test_deterministic_kernels_are_off_in_light_and_on_in_repro_and_full(preset, on, tmp_path, shared_cache,
+                                                                           isolated):
+    """One in-process step per preset; tests/planted/data.py FlagWitness reads torch's flags at the first
+    training batch (after every setup). light keeps seeds and env vars; repro/full add deterministic mode
+    (warn only) without filling new memory (strict mode only)."""
+    from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
+
+    torch.backends.cudnn.deterministic = False
+    run_dir = tmp_path / "run"
+    train_in_process(SMOKE + TINY_NET + [f"debug={preset}", *_ONE_STEP], run_dir, shared_cache)
+    flags = json.loads((run_dir / "torch_flags.json").read_text())
+    assert flags["deterministic_algorithms"] is on and flags["cudnn_deterministic"] is on, flags
+    assert flags["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # set in every preset (no cost; see the check)
+    if on:
+        assert flags["warn_only"] and flags["fill_uninitialized_memory"] is False, flags
+    record = json.loads((run_dir / "repro" / "rank0.json").read_text())
+    assert record["flags"]["deterministic_algorithms"] is on and record["PL_GLOBAL_SEED"] == "42"
+    seeded = [f for f in read_findings(run_dir) if f["code"] == "seeded"]
+    assert len(seeded) == 1 and f"deterministic algorithms {'on, warn only' if on else 'off'}" in seeded[0]["message"]
+    assert ("(debug=light) leaves torch's flags" in seeded[0]["message"]) is (not on)
+
+
+def test_the_default_config_is_light_without_deterministic_kernels():
+    """python train.py with no override composes debug=light, and light's reproducibility check leaves
+    torch's deterministic flags alone (compose only: the in-process light run above shows the flags)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.helpers.runs import CONF
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", return_hydra_config=True)
+            repro = compose("train", overrides=["debug=repro"])
+    finally:
+        GlobalHydra.instance().clear()
+    assert cfg.hydra.runtime.choices.debug == "light"
+    assert cfg.callbacks.reproducibility.deterministic is False
+    assert repro.callbacks.reproducibility.deterministic is True
+
+
+def test_fill_uninitialized_memory_auto_fills_only_in_strict_mode_and_an_explicit_value_is_kept(tmp_path, isolated):
+    from dsdebug.callbacks.reproducibility import Reproducibility
+
+    cases = [  # (kwargs, a strict mode already on (trainer.deterministic=true), expected: warn_only, fill)
+        ({}, False, (True, False)),                                  # debug=repro/full: warn only, no fill
+        ({"warn_only": False}, False, (False, True)),                # strict: filled
+        ({}, True, (False, True)),                                   # trainer.deterministic=true stays strict
+        ({"fill_uninitialized_memory": True}, False, (True, True)),  # the user's value, as given
+        ({"warn_only": False, "fill_uninitialized_memory": False}, False, (False, False)),
+    ]
+    for kwargs, strict_before, (warn_only, fill) in cases:
+        torch.use_deterministic_algorithms(strict_before)
+        torch.utils.deterministic.fill_uninitialized_memory = not fill  # so a test can see it set
+        cb = Reproducibility(seed=42, replay_steps=0, **kwargs)
+        cb.setup(_trainer(tmp_path), None, "fit")
+        got = (torch.is_deterministic_algorithms_warn_only_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+        assert torch.are_deterministic_algorithms_enabled() and got == (warn_only, fill), (kwargs, strict_before, got)
+        cb.teardown(_trainer(tmp_path), None, "fit")
+
+
+def test_deterministic_false_leaves_the_trainers_flags_alone_through_teardown(tmp_path, isolated):
+    """debug=light with trainer.deterministic=true: Lightning's strict mode is the user's, kept during the
+    run and after it (the check never set the flags, so it puts nothing back)."""
+    from dsdebug.callbacks.reproducibility import Reproducibility
+
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    cb = Reproducibility(seed=42, replay_steps=0, deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # what Trainer(deterministic=True) does when built
+    cb.setup(_trainer(tmp_path), None, "fit")
+    assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    cb.teardown(_trainer(tmp_path), None, "fit")
+    assert torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") is None  # env vars: put back as before
+
+
+def test_fill_without_deterministic_is_a_config_error(isolated):
+    from dsdebug.callbacks.reproducibility import Reproducibility
+
+    with pytest.raises(ConfigError, match=r"callbacks\.reproducibility\.fill_uninitialized_memory=true does nothing "
+                                          r"with callbacks\.reproducibility\.deterministic=false.*valid: ") as e:
+        Reproducibility(deterministic=False, fill_uninitialized_memory=True)
+    assert "\n" not in str(e.value)
+    Reproducibility(deterministic=False, fill_uninitialized_memory=False).teardown(_trainer(Path(".")), None, "fit")

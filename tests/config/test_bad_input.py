@@ -51,6 +51,11 @@ CASES = {
                                "valid: every_n_steps"]),
     "check_on_error_typo": (["debug=light", "callbacks.grad_monitor.on_error=explode"],
                             ["callbacks.grad_monitor.on_error='explode'", "warn"]),
+    # two of a check's arguments that contradict each other: refused when the check is built
+    "repro_fill_without_deterministic": (["debug=light", "callbacks.reproducibility.fill_uninitialized_memory=true"],
+                                         ["callbacks.reproducibility.fill_uninitialized_memory=true does nothing with "
+                                          "callbacks.reproducibility.deterministic=false",
+                                          "valid: fill_uninitialized_memory=null or false, or deterministic=true"]),
     "missing_ds_config": (["strategy=deepspeed_json", "strategy.config=/nonexistent/ds.json"],
                           ["strategy.config", "/nonexistent/ds.json"]),
     # wrong types and ranges: caught from the composed config, before anything is imported

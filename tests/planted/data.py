@@ -1,4 +1,5 @@
-"""Planted bugs for the reproducibility, data_inspector and profiler callbacks.
+"""Planted bugs for the reproducibility, data_inspector and profiler callbacks (and a witness of torch's
+deterministic flags, ``FlagWitness``).
 
 Importable from a child process (``model.net._target_=tests.planted.data.NoisyLM``,
 ``data._target_=tests.planted.data.BuggyDataModule``). Each class plants one or more bugs
@@ -7,10 +8,14 @@ a real run can have; the callbacks' tests check that each is found and named.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
@@ -132,3 +137,19 @@ class _SlowCollate:
 
     def __call__(self, samples):
         return slow_collate(samples, self.delay)
+
+
+class FlagWitness(Callback):
+    """Witness: torch's deterministic flags as the first training batch sees them (after every callback's
+    ``setup`` and the Trainer's own flag setting), written to ``<run_dir>/torch_flags.json`` by rank 0."""
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != 0 or trainer.global_rank != 0:
+            return
+        flags = {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                 "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                 "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+                 "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                 "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                 "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+        Path(trainer.default_root_dir, "torch_flags.json").write_text(json.dumps(flags))

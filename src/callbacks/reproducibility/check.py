@@ -18,6 +18,7 @@ import torch
 from dsdebug.distributed import collectives
 from dsdebug.config.args import boolean, integer, one_of, optional
 from dsdebug.callbacks.base import DebugCallback
+from dsdebug.errors import ConfigError
 from dsdebug.callbacks.reproducibility.replay import (
     _only, _tensors, first_difference, ranks_differing, rng_state, seed_record, set_rng_state)
 
@@ -50,11 +51,22 @@ class Reproducibility(DebugCallback):
       (``distributed/hash_seed.py``). A process that started with another value (a plain Lightning
       project, or an exported one) is reported as ``hash_seed_late`` where that can change a result:
       several ranks, or data-loader workers started by spawn/forkserver.
-    - ``setup`` (every rank): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
+    - ``setup`` (every rank), with ``deterministic: true`` (the default; ``debug=repro`` and
+      ``debug=full``): ``cudnn.deterministic=True``, ``cudnn.benchmark=False``,
       ``torch.use_deterministic_algorithms(True, warn_only=...)`` -- again here, because building the
       Trainer may reset them. When ``Trainer(deterministic=False)`` (``trainer.deterministic=false``)
       turned them off, that is the user's setting: kept, with a ``deterministic_off`` warning naming
       the key; ``force_deterministic: true`` turns them back on (warning ``deterministic_forced``).
+      With ``deterministic: false`` (``debug=light``, the always-on preset) no torch or cuDNN flag is
+      touched: seeds and env vars only. Deterministic kernels cost step time (docs/debugging.md
+      "Reproducibility notes": measured on CPU, and 1.305x light/none on an H100 when light had them on).
+    - ``fill_uninitialized_memory`` (PyTorch fills every new ``torch.empty`` buffer with NaN in
+      deterministic mode): ``null`` (auto) fills only in strict mode -- ``warn_only: false``, or a strict
+      mode already on (``trainer.deterministic=true``) -- where the user asked for bitwise replay; with
+      ``warn_only: true`` the run is not bitwise deterministic anyway (an op without a deterministic kernel
+      only warns), so paying for the fill (Megatron measured ~15 % of a step on GPU; 40 % of a ZeRO-2 CPU
+      step here) buys nothing. ``true``/``false`` are applied as given; ``true`` with ``deterministic:
+      false`` is refused (it would do nothing).
     - ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
       a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
       and CUDA RNG states, loadable with ``torch.load(..., weights_only=False)``).
@@ -107,14 +119,22 @@ class Reproducibility(DebugCallback):
             fill_uninitialized_memory=(fill_uninitialized_memory, optional(boolean(), "auto")),
             cublas_workspace_config=(cublas_workspace_config, one_of(*CUBLAS_CONFIGS)),
         )
+        if fill_uninitialized_memory and not deterministic:
+            raise ConfigError("callbacks.reproducibility.fill_uninitialized_memory=true does nothing with "
+                              "callbacks.reproducibility.deterministic=false (PyTorch fills only in deterministic "
+                              "mode; debug=light leaves it off); valid: fill_uninitialized_memory=null or false, or "
+                              "deterministic=true (debug=repro or debug=full)")
         self.seed, self.hash_seed, self.deterministic, self.warn_only = seed, hash_seed, deterministic, warn_only
         self.force_deterministic = force_deterministic
         self._user_turned_off = False  # Trainer(deterministic=False) after __init__: the user's setting, kept
         self.replay_steps, self.sample_size = replay_steps, sample_size
-        # auto: on CUDA filling is cheap; on CPU it fills DeepSpeed's torch.empty reduce buckets
-        # every step (measured: aten::fill_ 40% of profiled CPU time under ZeRO-2, 1.5% without).
-        # Reads of uninitialised memory still show up in the replay check.
-        self.fill = torch.cuda.is_available() if fill_uninitialized_memory is None else fill_uninitialized_memory
+        # None = auto (_apply_flags): fill only in strict mode. Filling costs on every device (CPU: DeepSpeed's
+        # torch.empty reduce buckets every step, aten::fill_ 40% of profiled CPU time under ZeRO-2; CUDA: ~15%
+        # per Megatron) and makes only a strict run more reproducible; reads of uninitialised memory still show
+        # up in the replay check.
+        self.fill_setting = fill_uninitialized_memory
+        self.fill: bool | None = None  # what _apply_flags set last
+        self._flags_set = False  # teardown puts back only what this check changed
         # Runs in every process that builds the callback (each rank), before the Trainer.
         # What was there before is put back at teardown (in-process fits, notebooks, tests).
         self._saved_env = {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")}
@@ -125,6 +145,10 @@ class Reproducibility(DebugCallback):
         self._hash_seed_at_start = os.environ.get("PYTHONHASHSEED")
         os.environ["PYTHONHASHSEED"] = str(hash_seed)  # for processes started from here on
         self._cuda_was_initialised = torch.cuda.is_available() and torch.cuda.is_initialized()
+        # Set also with deterministic=false (debug=light): it must be in the environment before the first cuBLAS
+        # handle exists (so trainer.deterministic=true still works in a light run: strict mode refuses cuBLAS
+        # without it), child ranks inherit it, and ':4096:8' (32 MiB) is PyTorch's own default workspace on
+        # sm90 (H100/H200) -- more than its ~8 MiB default on older GPUs, never less: no step-time cost.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas_workspace_config
         self._seeded_here = "PL_GLOBAL_SEED" not in os.environ
         if self._seeded_here:  # entry.py normally did this already: don't reseed (would fight it)
@@ -145,13 +169,17 @@ class Reproducibility(DebugCallback):
 
     def _apply_flags(self) -> bool:
         was_on = torch.are_deterministic_algorithms_enabled()
+        if not self.deterministic:  # debug=light: seeds and env vars only, torch's flags stay as they are
+            return was_on
+        self._flags_set = True
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        if self.deterministic:
-            # a strict mode already on (trainer.deterministic=true: raise on a nondeterministic op) stays strict
-            strict = was_on and not torch.is_deterministic_algorithms_warn_only_enabled()
-            torch.use_deterministic_algorithms(True, warn_only=self.warn_only and not strict)
-            torch.utils.deterministic.fill_uninitialized_memory = self.fill
+        # a strict mode already on (trainer.deterministic=true: raise on a nondeterministic op) stays strict
+        strict = was_on and not torch.is_deterministic_algorithms_warn_only_enabled()
+        warn_only = self.warn_only and not strict
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        self.fill = (not warn_only) if self.fill_setting is None else self.fill_setting
+        torch.utils.deterministic.fill_uninitialized_memory = self.fill
         return was_on
 
     # ---- setup: every rank, no collectives ------------------------------------------
@@ -223,10 +251,11 @@ class Reproducibility(DebugCallback):
         """After fit, every rank: put the process-wide flags and env vars back (child ranks
         and workers were started long ago with ours)."""
         self._restore_warnings()
-        det, warn_only, fill, cudnn_det, bench = self._saved_flags
-        torch.use_deterministic_algorithms(det, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
+        if self._flags_set:  # deterministic=false never touched them: what the Trainer or the user set stays
+            det, warn_only, fill, cudnn_det, bench = self._saved_flags
+            torch.use_deterministic_algorithms(det, warn_only=warn_only)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -247,9 +276,7 @@ class Reproducibility(DebugCallback):
             self.report(trainer, "info", "seeded",
                         f"seed {record['PL_GLOBAL_SEED']} (workers seeded: {record['PL_SEED_WORKERS'] == '1'}), "
                         f"PYTHONHASHSEED={self.hash_seed}, "
-                        f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, "
-                        f"deterministic algorithms {'on' if torch.are_deterministic_algorithms_enabled() else 'off'} "
-                        f"(warn_only={self.warn_only}), cudnn deterministic, benchmark off; "
+                        f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, {_flags_line(self)}; "
                         f"replaying {self.replay_steps} step(s); states in {out}",
                         details=record, rank=None)
         self._trainer = trainer
@@ -375,6 +402,20 @@ class Reproducibility(DebugCallback):
                     advice=_ADVICE, step=step,
                     details={"module": path, "class": cls, "call_index": index, "calls": total,
                              "max_abs_diff_sampled": diff, "how": how, "ranks_differing": ranks})
+
+
+def _flags_line(check: Reproducibility) -> str:
+    """The deterministic flags as they are now (after setup), for the ``seeded`` finding."""
+    on = torch.are_deterministic_algorithms_enabled()
+    mode = ("off" if not on else "on, warn only" if torch.is_deterministic_algorithms_warn_only_enabled()
+            else "on, strict")
+    fill = "fills new memory with NaN" if torch.utils.deterministic.fill_uninitialized_memory else "no memory fill"
+    cudnn = (f"cudnn deterministic {'on' if torch.backends.cudnn.deterministic else 'off'}, "
+             f"benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}")
+    if not check.deterministic:
+        return (f"deterministic algorithms {mode} ({cudnn}): callbacks.reproducibility.deterministic=false "
+                "(debug=light) leaves torch's flags as they are; debug=repro or debug=full turns them on")
+    return f"deterministic algorithms {mode}" + (f" ({fill})" if on else "") + f", {cudnn}"
 
 
 def _spawned_workers(trainer: Any) -> list[tuple[int, str]]:
