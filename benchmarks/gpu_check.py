@@ -31,7 +31,8 @@ each recorded as passed / failed / error / skipped without stopping the others:
 Steps 2-3 run their train.py processes side by side (``--jobs``; correctness, not timing); the timed runs
 of steps 4-6 run one at a time. Run dirs go under ``--work`` (not ``--out``: too many files). With
 ``--dry-run`` everything is tiny and on CPU (fp32, 4 steps); what needs CUDA (fp16, the GPU peak) is
-recorded as ``skipped: no CUDA``.
+recorded as ``skipped: no CUDA``. The big model keeps its keys at tiny sizes (``TINY_MODEL``): every train.py
+command line of the GPU run composes in the dry run too (``train_runs``; tests/bench/test_gpu_kit.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,19 @@ BIG_MODEL = dict(hidden_size=1280, num_hidden_layers=16, num_attention_heads=10,
                  moe_intermediate_size=896, kv_lora_rank=384, q_lora_rank=640, qk_rope_head_dim=64,
                  qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                  first_k_dense_replace=1)
-TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2)  # --dry-run (tests/helpers/runs.py SMALL_DEEPSEEK)
+# --dry-run: the big model's keys at tiny sizes (the builder's defaults, width 64, 2 layers), so the dry run
+# composes exactly the overrides the GPU run will (2026-11-28 the GPU met `Could not override
+# 'model.net.intermediate_size'` first: the dry run had used two keys only). tests/bench/test_gpu_kit.py
+# composes both.
+TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+                  moe_intermediate_size=256, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
+                  qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                  first_k_dense_replace=1)
+# the big runs' model config: it names every key of BIG_MODEL (the default model's config does not), so a
+# misspelt key is still refused when composed (``++`` would add it silently and fail only when the net is built)
+BIG_MODEL_CONFIG = "model=deepseek_v3_100m"
+# --dry-run's steps 2-3 (the GPU runs them with the default model as it is): tests/helpers/runs.py SMALL_DEEPSEEK
+SMALL_MODEL = dict(hidden_size=64, num_hidden_layers=2)
 NO_EXPORT = ["export.fp32=false", "export.hf=false", "trainer.enable_progress_bar=false", "~callbacks.rich_progress_bar"]
 
 
@@ -80,7 +93,7 @@ class Settings:
         if dry_run:
             self.trainer = ["trainer=cpu"]
             self.small_data = ["data=synthetic", "data.source.num_tokens=65536", "trainer.limit_val_batches=2"]
-            self.small_model = [f"model.net.{k}={v}" for k, v in TINY_MODEL.items()]
+            self.small_model = [f"model.net.{k}={v}" for k, v in SMALL_MODEL.items()]
             self.zero_steps, self.fp16_steps, self.overflow_at, self.nan_at = 4, 4, 2, 2
             self.big, self.vocab, self.seq, self.batch, self.num_tokens = TINY_MODEL, 4096, 64, 4, 65536
             self.warmup, self.timed, self.log_every = 2, 2, 1
@@ -96,9 +109,9 @@ class Settings:
     def big_overrides(self) -> list[str]:
         return [*self.trainer, "strategy=zero2", "data=synthetic", f"data.vocab_size={self.vocab}",
                 f"data.seq_len={self.seq}", f"data.batch_size={self.batch}", f"data.source.num_tokens={self.num_tokens}",
-                *(f"model.net.{k}={v}" for k, v in self.big.items()), "trainer.limit_val_batches=0",
-                "trainer.num_sanity_val_steps=0", f"trainer.max_steps={self.warmup + self.timed}",
-                f"trainer.log_every_n_steps={self.log_every}", *NO_EXPORT]
+                BIG_MODEL_CONFIG, *(f"model.net.{k}={v}" for k, v in self.big.items()),
+                "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
+                f"trainer.max_steps={self.warmup + self.timed}", f"trainer.log_every_n_steps={self.log_every}", *NO_EXPORT]
 
 
 # ---- the steps ----------------------------------------------------------------------------------
@@ -167,6 +180,19 @@ def fp16_runs(s: Settings) -> dict[str, list[str]]:
                                  f"+callbacks.planted.module={PLANT_MODULE}", f"+callbacks.planted.overflow_step={s.overflow_at}",
                                  "+callbacks.planted.overflow_steps=6"]
     return runs
+
+
+TIMED = ("none", "light", "full")  # the big model's train.py runs (steps 4-6), one per debug preset
+
+
+def timed_runs(s: Settings) -> dict[str, list[str]]:
+    return {name: [*s.big_overrides(), f"debug={name}"] for name in TIMED}
+
+
+def train_runs(s: Settings) -> dict[str, list[str]]:
+    """Every train.py command line this check runs with these settings, by run name (what
+    tests/bench/test_gpu_kit.py composes for the GPU and for --dry-run)."""
+    return {**zero_runs(s), **fp16_runs(s), **timed_runs(s)}
 
 
 def judge_zero(runs: dict[str, dict]) -> dict[str, Any]:
@@ -435,6 +461,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     if "overhead" in only:
         timed += ["none", "light", "full"]
     timed = list(dict.fromkeys(timed))
+    big_runs = timed_runs(s)
     for name in timed:
         if left() < 45:
             runs[name] = {"name": name, "exit": None, "timed_out": True, "wall_s": 0, "error": "skipped: out of time"}
@@ -443,7 +470,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         if name == "raw":
             runs[name] = guarded(raw_run, s, work, timeout)
         else:
-            runs[name] = guarded(train, name, [*s.big_overrides(), f"debug={name}"], work, timeout)
+            runs[name] = guarded(train, name, big_runs[name], work, timeout)
     if "throughput" in only:
         facts = guarded(big_model_facts, s)
         device = torch.cuda.get_device_name(0) if cuda else None

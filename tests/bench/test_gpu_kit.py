@@ -190,6 +190,38 @@ def test_dry_run_env_only_with_only_the_images_packages_writes_every_step(tmp_pa
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["logs.tar.gz", "results.json", "results.md"]
 
 
+def _keys(overrides: list[str]) -> list[str]:
+    return [o.split("=", 1)[0] for o in overrides]
+
+
+def test_every_train_command_of_the_gpu_run_composes_here_and_the_dry_run_uses_the_same_keys():
+    """The kit's first GPU run (2026-11-28) stopped at `Could not override 'model.net.intermediate_size'`:
+    the dry run's tiny model had used other keys. Here every train.py override list of the GPU run and of
+    the dry run is composed with Hydra (no training; a key the config does not have raises), and the dry
+    run's big model has exactly the GPU's keys, at tiny sizes."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.helpers.runs import CONF
+
+    gpu, dry = gpu_check.Settings(dry_run=False, cuda=True), gpu_check.Settings(dry_run=True, cuda=False)
+    assert _keys(dry.big_overrides()) == _keys(gpu.big_overrides())
+    assert set(gpu_check.TINY_MODEL) == set(gpu_check.BIG_MODEL)
+    runs = {(mode, name): o for mode, s in (("gpu", gpu), ("dry", dry)) for name, o in gpu_check.train_runs(s).items()}
+    assert {("gpu", n) for n in ("zero2_full", "zero3_full", "fp16_nan", "fp16_overflow", "none", "light", "full")
+            } <= set(runs)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            for (mode, name), overrides in runs.items():
+                cfg = compose("train", overrides=overrides)  # raises on a key the config does not have
+                if name in gpu_check.TIMED:  # the big model's sizes arrived, not the config's own
+                    big = (gpu if mode == "gpu" else dry).big
+                    assert {k: cfg.model.net[k] for k in big} == big, (mode, name)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def test_bad_only_is_one_line_exit_2():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--only", "env,fp32"],
                           capture_output=True, text=True, timeout=60)
