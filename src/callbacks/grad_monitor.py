@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from dsdebug.distributed import collectives
-from dsdebug.config.args import either, integer, number
+from dsdebug.config.args import either, integer, number, optional
+from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
                                             local_param)
@@ -33,6 +34,14 @@ class GradMonitor(DebugCallback):
     clipping and the update, so a bad step is reported (and with ``on_error=skip|stop``
     dropped) before it reaches the weights. ``stop`` also drops the bad update, so the
     checkpoint it saves holds the last good weights.
+
+    Host reads (a device sync each on a GPU): with ``on_error=warn`` the step's per-parameter sums of
+    squares and loss flags stay on the device and are all-reduced, read and judged every
+    ``read_every_n_steps`` steps (default 10: one all-reduce of ``[N x (params + world)]``, one host read;
+    also at each ``every_n_steps`` metrics step, whose metrics need that step's gradients): every step is
+    judged in order with its own step and batch, so a NaN is named up to N - 1 steps after it arose, at the
+    step it arose, and "weights still finite" describes the weights when it is read. ``skip`` and ``stop``
+    act before the update, so they read every step (``read_every_n_steps`` 1 or null with them).
 
     Correct under every strategy: with DDP (and one process) it reads ``param.grad``; under
     ZeRO-1/2 (``param.grad`` is None there after the reduction, verified) it reads each rank's
@@ -84,8 +93,14 @@ class GradMonitor(DebugCallback):
                  spike_min_ratio: float = 3.0, ema_beta: float = 0.95, warmup_steps: int = 50,
                  vanish_threshold: float = 1.0e-8, histogram_every_n_steps: int = 100,
                  log_param_norms: bool = False, max_findings_per_code: int = 5, on_error: str = "warn",
-                 early_factor: float = 10.0) -> None:
+                 early_factor: float = 10.0, read_every_n_steps: int | None = None) -> None:
         super().__init__(on_error=on_error)
+        if on_error != "warn" and read_every_n_steps not in (None, 1):
+            raise ConfigError(f"callbacks.{self.name}.read_every_n_steps={read_every_n_steps} does not work with "
+                              f"on_error={on_error}: it acts before each update, so it reads every step; valid: 1 or "
+                              "null (or on_error=warn)")
+        self.read_every = read_every_n_steps or (10 if on_error == "warn" else 1)
+        self._queue: list[tuple[torch.Tensor, int, int | None]] = []  # (step's vector on the device, step, batch)
         self.check_args(
             every_n_steps=(every_n_steps, integer(0, note="0 = no metrics")),
             max_norm=(max_norm, number(0, open_low=True)),
@@ -97,6 +112,8 @@ class GradMonitor(DebugCallback):
             histogram_every_n_steps=(histogram_every_n_steps, integer(0, note="0 = off")),
             max_findings_per_code=(max_findings_per_code, integer(1)),
             early_factor=(early_factor, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
+            read_every_n_steps=(read_every_n_steps, optional(integer(1), "auto: 10 with on_error=warn, 1 with skip "
+                                                                          "or stop")),
         )
         self.early_factor = float(early_factor)
         self._early_norms: list[float] = []  # the healthy norms before warm-up (the early rule's reference)
@@ -149,53 +166,73 @@ class GradMonitor(DebugCallback):
         step, world = trainer.global_step, trainer.world_size
         grads = [local_grad(p, self._source) for p in self._params]
         self._factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0
-        sumsq = self._sumsq(grads)
-        loss_bad = torch.zeros(world, dtype=torch.float64)
-        loss_bad[trainer.global_rank] = float(self._loss_bad) if self._loss_bad is not None else 0.0
+        sumsq = self._sumsq(grads)  # on the device: no host read
+        loss_bad = torch.zeros(world, dtype=torch.float64, device=sumsq.device)
+        if self._loss_bad is not None:
+            loss_bad[trainer.global_rank] = self._loss_bad.to(loss_bad.device, torch.float64)
         self._loss_bad = None
-        partitioned = self._source != "replicated"
-        vec = torch.cat([sumsq if partitioned else sumsq[:0], loss_bad])
-        if world > 1:  # COLLECTIVE, every rank, every checked step: one small all-reduce
-            vec = collectives.reduce(trainer, vec, "sum").cpu()
-        if partitioned:
-            sumsq = vec[: len(sumsq)]
-        bad_loss_ranks = [r for r, v in enumerate(vec[-world:].tolist()) if v > 0]
+        # replicated gradients (DDP, one process): every rank holds all of it, so the sum over ranks of x/world is x
+        self._queue.append((torch.cat([sumsq / (world if self._source == "replicated" else 1), loss_bad]), step,
+                            self._batch_idx))
+        metrics = self.due(step)
+        histograms = self._tensorboard and self.due(step, self.histogram_every_n_steps)
+        last = 0 < (trainer.max_steps or -1) <= step + 1
+        if len(self._queue) >= self.read_every or last or metrics or histograms:
+            self._read(trainer, pl_module, grads if metrics else None)
+        if histograms:
+            self._histograms(trainer, grads)
+
+    def _read(self, trainer: Any, pl_module: Any, grads: list | None = None) -> None:
+        """Judge the queued steps in order; ``grads`` (the last step's) for its metrics. COLLECTIVE (world > 1):
+        one all-reduce of [N x (params + world)] and one host read, EVERY rank at the same step."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return
+        world, n = trainer.world_size, len(self._params)
+        rows = collectives.reduce(trainer, torch.stack([v for v, _, _ in queue]), "sum").cpu().tolist()
+        for i, (row, (_, step, batch)) in enumerate(zip(rows, queue)):
+            self._judge_step(trainer, pl_module, row[:n], [r for r, v in enumerate(row[n:]) if v > 0], step,
+                             batch, grads if i == len(queue) - 1 else None)
+
+    def _judge_step(self, trainer: Any, pl_module: Any, sq: list[float], bad_loss_ranks: list[int], step: int,
+                    batch: int | None, grads: list | None) -> None:
         self._checked += 1
-        sq = sumsq.tolist()
         bad = [i for i, v in enumerate(sq) if not math.isfinite(v)]
         if self._overflow.judge(not bad_loss_ranks, not bad) == "absorbed":
             return  # an fp16 overflow the loss scaler skips (and lowers the scale for): counted, not reported
         if bad:
-            self._report_nonfinite(trainer, pl_module, bad, sq, bad_loss_ranks)
+            self._report_nonfinite(trainer, pl_module, bad, sq, bad_loss_ranks, step, batch)
             return
         norm = math.sqrt(sum(sq))
-        layer_sq = torch.zeros(len(self._layers), dtype=torch.float64).index_add_(0, self._layer_idx, sumsq)
+        layer_sq = torch.zeros(len(self._layers), dtype=torch.float64).index_add_(
+            0, self._layer_idx, torch.tensor(sq, dtype=torch.float64))
         if norm > self._largest[0]:
             self._largest = (norm, step)
         if norm > self.max_norm:
             self._report_large(trainer, pl_module, "grad_exploding", "error", norm, sq, layer_sq,
-                               f"exceeds max_norm={self.max_norm:g}")
+                               f"exceeds max_norm={self.max_norm:g}", step, batch)
         elif self._healthy_seen >= self.warmup_steps and norm > self._spike_limit():
             self._report_large(trainer, pl_module, "grad_spike", "warning", norm, sq, layer_sq,
-                               f"is a spike: EMA {self._ema_mean:.3g} +- {math.sqrt(self._ema_var):.3g}")
+                               f"is a spike: EMA {self._ema_mean:.3g} +- {math.sqrt(self._ema_var):.3g}", step, batch)
         elif self._early_spike(norm):
             self._report_large(trainer, pl_module, "grad_spike", "warning", norm, sq, layer_sq,
                                f"is a spike in the first steps: {norm / self._early_ref():.3g}x the median "
                                f"{self._early_ref():.3g} of the {len(self._early_norms)} steps so far (> early_factor="
-                               f"{self.early_factor:g}; the EMA judges from step {self.warmup_steps})")
+                               f"{self.early_factor:g}; the EMA judges from step {self.warmup_steps})", step, batch)
         else:
             self._update_ema(norm)
-        if self.due(step):
+        if grads is not None:  # a metrics step: the queue was read at it, so these are its gradients
             self._cadence(trainer, pl_module, grads, norm, sq, layer_sq)
-        if self._tensorboard and self.due(step, self.histogram_every_n_steps):
-            self._histograms(trainer, grads)
 
     def _sumsq(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per-parameter sums of squares of the unscaled gradients, where they live (no host read)."""
         present = [i for i, g in enumerate(grads) if g is not None and g.numel() > 0]
-        out = torch.zeros(len(grads), dtype=torch.float64)
+        device = grads[present[0]].device if present else torch.device("cpu")
+        out = torch.zeros(len(grads), dtype=torch.float64, device=device)
         if present:  # one fused pass over all gradients (fp32 accumulation)
             norms = torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32)
-            out[present] = (torch.stack(norms).double() / self._factor).cpu() ** 2  # unscaled (fp16)
+            factor = self._factor.to(device) if isinstance(self._factor, torch.Tensor) else self._factor
+            out[torch.tensor(present, device=device)] = (torch.stack(norms).double() / factor) ** 2  # unscaled (fp16)
         return out
 
     def _spike_limit(self) -> float:
@@ -223,11 +260,11 @@ class GradMonitor(DebugCallback):
 
     # ---- findings ---------------------------------------------------------------------
     def _report_nonfinite(self, trainer: Any, pl_module: Any, bad: list[int], sq: list[float],
-                          bad_loss_ranks: list[int]) -> None:
+                          bad_loss_ranks: list[int], step: int, batch: int | None) -> None:
         first, names = self._names[bad[0]], [self._names[i] for i in bad]
         kind = "NaN" if math.isnan(sq[bad[0]]) else "Inf"
         layers = list(dict.fromkeys(layer_of(n) for n in names))
-        where = f"step {trainer.global_step}, batch {self._batch_idx}"
+        where = f"step {step}, batch {batch}"
         listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         if bad_loss_ranks:
             # every gradient follows from the bad loss: the parameters (registration order) locate nothing
@@ -241,40 +278,44 @@ class GradMonitor(DebugCallback):
                     f"(a custom autograd op or hook, sqrt/log/div at 0) and the gradient reduction hides the rank")
             if self._overflow.why:  # fp16: why the dynamic loss scaler's skip-and-lower does not cover it
                 lead += f"; not an overflow the loss scaler absorbs: {self._overflow.why}"
-        # COLLECTIVE (every rank is in this branch): are the weights still finite? (proof: before the update)
-        params_finite = not self.any_rank(trainer, any(not bool(torch.isfinite(local_param(p)).all())
-                                                       for p in self._params))
+        # COLLECTIVE (every rank is in this branch): are the weights still finite? (read at the step itself: before
+        # its update; read later: as they are now)
+        bad_weights = torch.stack([~torch.isfinite(local_param(p)).all() for p in self._params]).any()
+        params_finite = not self.any_rank(trainer, bool(bad_weights))
+        when = ("update not applied yet" if step == trainer.global_step else
+                f"at step {trainer.global_step}, when read: {trainer.global_step - step} update(s) later")
         self._emit(
             trainer, pl_module, "error", "nonfinite_grad",
-            f"{lead}; weights {'still finite' if params_finite else 'ALREADY non-finite'} (update not applied yet)",
+            f"{lead}; weights {'still finite' if params_finite else 'ALREADY non-finite'} ({when})",
             "on_error=skip drops this step; stop saves the last good weights. Look at the first parameter's "
             "op, lower the LR, check fp16 loss scaling and the batch",
             {"params": names[:50], "count": len(bad), "layers": layers, "nonfinite_loss_ranks": bad_loss_ranks,
-             "params_finite_before_update": params_finite, "batch_idx": self._batch_idx},
-            rank=bad_loss_ranks[0] if len(bad_loss_ranks) == 1 else None)
+             "params_finite_before_update": params_finite if step == trainer.global_step else None,
+             "params_finite_when_read": params_finite, "batch_idx": batch},
+            rank=bad_loss_ranks[0] if len(bad_loss_ranks) == 1 else None, step=step)
 
     def _report_large(self, trainer: Any, pl_module: Any, code: str, severity: str, norm: float,
-                      sq: list[float], layer_sq: torch.Tensor, why: str) -> None:
+                      sq: list[float], layer_sq: torch.Tensor, why: str, step: int, batch: int | None) -> None:
         top = sorted(range(len(sq)), key=lambda i: -sq[i])[:5]
         top_layer = int(layer_sq.argmax())
         name, layer_norm = self._names[top[0]], math.sqrt(float(layer_sq[top_layer]))
         self._emit(
             trainer, pl_module, severity, code,
-            f"gradient norm {norm:.4g} at step {trainer.global_step} {why}; largest in {name} "
+            f"gradient norm {norm:.4g} at step {step} {why}; largest in {name} "
             f"({math.sqrt(sq[top[0]]):.4g}), layer {self._layers[top_layer]} ({layer_norm:.4g}); "
             f"next: {', '.join(f'{self._names[i]} {math.sqrt(sq[i]):.3g}' for i in top[1:3])}",
             "check that layer's inputs/initialisation, the batch and the LR/warm-up; clipping (optim.grad_clip) "
             "hides it but does not fix it" + ("; on_error=skip drops such steps" if severity == "error" else ""),
             {"norm": norm, "param": name, "layer": self._layers[top_layer], "ema_mean": self._ema_mean,
-             "top": {self._names[i]: math.sqrt(sq[i]) for i in top}, "batch_idx": self._batch_idx},
-            rank=None)
+             "top": {self._names[i]: math.sqrt(sq[i]) for i in top}, "batch_idx": batch},
+            rank=None, step=step)
 
     def _emit(self, trainer: Any, pl_module: Any, severity: str, code: str, message: str, advice: str,
-              details: dict, rank: int | None) -> None:
+              details: dict, rank: int | None, step: int | str = "self") -> None:
         """Called on EVERY rank with the same decision: rank 0 writes, every rank applies the policy."""
         if severity == "error" and self.on_error == "stop":
             pl_module.skip_optimizer_step = True  # keep the last good weights in the stop checkpoint
-        self.report_capped(trainer, severity, code, message, advice, details, rank=rank,
+        self.report_capped(trainer, severity, code, message, advice, details, rank=rank, step=step,
                            limit=self.max_findings_per_code)
 
     # ---- cadence: metrics (rank 0 logs), vanishing, histograms ----------------------------
@@ -325,6 +366,7 @@ class GradMonitor(DebugCallback):
                                                     trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._read(trainer, pl_module)  # COLLECTIVE (world > 1): the steps still queued, every rank
         if trainer.global_rank == 0 and self._params:
             counts = ", ".join(f"{c} x{n}" for c, n in sorted(self._counts.items())) or "none"
             absorbed = self._overflow.absorbed

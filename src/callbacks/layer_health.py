@@ -9,7 +9,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from dsdebug.callbacks.loss_scale import read_scaler
 __all__ = ["LayerHealth"]
 
 log = logging.getLogger(__name__)
+Values = Union[torch.Tensor, list]  # per-layer values: a tensor (tests, callers) or a list (the queue, read once)
 
 
 class LayerHealth(DebugCallback):
@@ -50,9 +51,11 @@ class LayerHealth(DebugCallback):
     Strategies: gradients are read as grad_monitor reads them (``param.grad``; ZeRO-1/2 fp32
     fragments; ZeRO-3 local partitions); weights from ``param.data`` (ZeRO-1/2: the lp weights
     the all-gather refreshes after the step) or ZeRO-3's local partition ``ds_tensor`` (padding
-    cut off). What is partitioned (per-layer sums of squares) is all-reduced ONCE per checked step,
-    in ``on_train_batch_end``, on every rank; every decision uses the reduced values, rank 0
-    writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
+    cut off). Host reads (a device sync each on a GPU): each checked step's per-layer sums of squares (and,
+    early, non-zero counts) are computed where the gradients live and queued; every ``read_every_n_steps``
+    steps (default 10) the queue is all-reduced once (``[N x 4 layers]``, on every rank, in
+    ``on_train_batch_end``) and read once, and each step is judged in order at its own step; every decision
+    uses the reduced values, rank 0 writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
     The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
     fp16 (``dsdebug.callbacks.loss_scale``): gradient norms are the unscaled ones (DeepSpeed's gradients still
     carry the loss scale in the hook; divided on the device), so a scale change moves no layer's history; an
@@ -85,8 +88,10 @@ class LayerHealth(DebugCallback):
     def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,
                  ratio_floor: float = 1.0e-3, patience: int = 3, explode_factor: float = 10.0,
                  ema_beta: float = 0.9, warmup_steps: int = 50, max_findings_per_code: int = 5,
-                 early_ratio: float = 3.0e-4) -> None:
+                 early_ratio: float = 3.0e-4, read_every_n_steps: int = 10) -> None:
         super().__init__()
+        self.read_every = read_every_n_steps
+        self._queue: list[tuple[torch.Tensor, int, bool, bool]] = []  # (step's [4 x layers], step, update?, nnz?)
         self.check_args(
             every_n_steps=(every_n_steps, integer(0, note="0 = no update ratios/metrics")),
             grad_every_n_steps=(grad_every_n_steps, integer(1)),
@@ -98,6 +103,7 @@ class LayerHealth(DebugCallback):
             ema_beta=(ema_beta, number(0, 1, open_low=True, open_high=True)),
             warmup_steps=(warmup_steps, integer(1)),
             max_findings_per_code=(max_findings_per_code, integer(1)),
+            read_every_n_steps=(read_every_n_steps, integer(1)),
             early_ratio=(early_ratio, number(0, 1, open_high=True, note="0 = off")),
         )
         self.early_ratio = float(early_ratio)
@@ -146,6 +152,7 @@ class LayerHealth(DebugCallback):
         index = {layer: i for i, layer in enumerate(self._layers)}
         self._layer_idx = torch.tensor([index[n] for n in param_layers], dtype=torch.long)
         self._numel = self.per_layer(torch.tensor(param_numel, dtype=torch.float64))
+        self._numel_list = self._numel.tolist()
         n = len(self._layers)
         self._grad_checks = 0  # gradient checks judged: the early prior holds for the first warmup_steps
         self._low_grad, self._low_update, self._seen = [0] * n, [0] * n, [0] * n
@@ -156,8 +163,9 @@ class LayerHealth(DebugCallback):
                          "min_early_rel": math.inf}
 
     def per_layer(self, per_param: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(len(self._layers), dtype=torch.float64)
-        return out.index_add_(0, self._layer_idx, per_param.double())
+        """Per-parameter values summed per layer, where they live."""
+        out = torch.zeros(len(self._layers), dtype=torch.float64, device=per_param.device)
+        return out.index_add_(0, self._layer_idx.to(per_param.device), per_param.double())
 
     # ---- measure: local, every rank (no collective) ---------------------------------------
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -175,8 +183,11 @@ class LayerHealth(DebugCallback):
             snapshot = [w.detach().clone() for w in weights]
         nnz = None
         if self._early():  # non-zero gradient elements per layer (unseen embedding rows, idle experts are 0)
-            nnz = self.per_layer(torch.tensor([float(g.count_nonzero()) if g is not None else 0.0 for g in grads],
-                                              dtype=torch.float64))
+            present = [g for g in grads if g is not None]
+            device = present[0].device if present else torch.device("cpu")
+            nnz = self.per_layer(torch.stack([g.count_nonzero() if g is not None else torch.zeros((), device=device,
+                                                                                                  dtype=torch.long)
+                                              for g in grads]).double())
         factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0  # fp16: unscale
         self._pending = (step, self.per_layer(_sumsq(grads, factor)), snapshot, w_sq, nnz)
 
@@ -195,29 +206,41 @@ class LayerHealth(DebugCallback):
             torch._foreach_sub_(snapshot, [a.detach() for a in after])
             dw_sq, w_sq = self.per_layer(_sumsq(snapshot)), self.per_layer(w_sq)
             del snapshot, after  # free the copy now
-        n = len(self._layers)
-        parts = [g_sq] if self._source != "replicated" else []
-        if dw_sq is not None and self._source == "zero3":
-            parts += [dw_sq, w_sq]
-        if parts and nnz is not None:  # same on every rank: _grad_checks is counted alike everywhere
-            parts.append(nnz)
-        if parts and trainer.world_size > 1:  # COLLECTIVE, every rank, once per checked step
-            vec = collectives.reduce(trainer, torch.cat(parts), "sum").cpu()
-            g_sq = vec[:n]
-            if dw_sq is not None and self._source == "zero3":
-                dw_sq, w_sq = vec[n:2 * n], vec[2 * n:3 * n]
-            if nnz is not None:
-                nnz = vec[-n:]
-        self.check(trainer, step, g_sq, dw_sq, w_sq, nnz)
+        # one row per step, [grads | update | weights | non-zeros] x layers, each part divided by the world size
+        # where every rank holds all of it (replicated gradients; ZeRO-1/2's and DDP's weights): the sum over
+        # ranks then gives each part once
+        world = trainer.world_size
+        grads_whole = world if self._source == "replicated" else 1
+        weights_whole = 1 if self._source == "zero3" else world
+        zeros = torch.zeros_like(g_sq)
+        row = torch.cat([g_sq / grads_whole,
+                         dw_sq.to(g_sq.device) / weights_whole if dw_sq is not None else zeros,
+                         w_sq.to(g_sq.device) / weights_whole if dw_sq is not None else zeros,
+                         nnz.to(g_sq.device) / grads_whole if nnz is not None else zeros])
+        self._queue.append((row, step, dw_sq is not None, nnz is not None))
+        if len(self._queue) >= self.read_every or 0 < (getattr(trainer, "max_steps", 0) or -1) <= trainer.global_step:
+            self._read(trainer)
 
-    def check(self, trainer: Any, step: int, g_sq: torch.Tensor, dw_sq: torch.Tensor | None = None,
-              w_sq: torch.Tensor | None = None, nnz: torch.Tensor | None = None) -> list[tuple[str, str]]:
+    def _read(self, trainer: Any) -> None:
+        """Judge the queued steps in order. COLLECTIVE (world > 1): one all-reduce of [N x 4 layers] and one host
+        read, EVERY rank at the same step (the queue fills alike everywhere)."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return
+        n = len(self._layers)
+        rows = collectives.reduce(trainer, torch.stack([r for r, _, _, _ in queue]), "sum").cpu().tolist()
+        for row, (_, step, update, counted) in zip(rows, queue):
+            self.check(trainer, step, row[:n], row[n:2 * n] if update else None, row[2 * n:3 * n] if update else None,
+                       row[3 * n:] if counted else None)
+
+    def check(self, trainer: Any, step: int, g_sq: Values, dw_sq: Values | None = None,
+              w_sq: Values | None = None, nnz: Values | None = None) -> list[tuple[str, str]]:
         """Judge one step from per-layer (all-reduced) sums of squares (and, early, non-zero counts);
         returns [(code, layer)] reported."""
         found = self.judge_grads(g_sq, nnz)
         ratios = None
         if dw_sq is not None:
-            ratios = [math.sqrt(d / w) if w > 0 else None for d, w in zip(dw_sq.tolist(), w_sq.tolist())]
+            ratios = [math.sqrt(d / w) if w > 0 else None for d, w in zip(_values(dw_sq), _values(w_sq))]
             found += self.judge_updates(ratios)
         if ratios is not None and trainer is not None and trainer.global_rank == 0:
             metrics = {f"layers/grad_rel/{k}": v for k, v in zip(self._layers, self._rel_hist[-1]) if v is not None}
@@ -228,9 +251,9 @@ class LayerHealth(DebugCallback):
             self._emit(trainer, step, code, message, advice, {"layer": self._layers[i], **details})
         return [(code, self._layers[i]) for code, i, *_ in found]
 
-    def judge_grads(self, g_sq: torch.Tensor, nnz: torch.Tensor | None = None) -> list[tuple]:
-        sq = [v if math.isfinite(v) else math.nan for v in g_sq.tolist()]  # NaN/Inf: grad_monitor's job
-        rms = [math.sqrt(s / n) if n > 0 and s == s else math.nan for s, n in zip(sq, self._numel.tolist())]
+    def judge_grads(self, g_sq: Values, nnz: Values | None = None) -> list[tuple]:
+        sq = [v if math.isfinite(v) else math.nan for v in _values(g_sq)]  # NaN/Inf: grad_monitor's job
+        rms = [math.sqrt(s / n) if n > 0 and s == s else math.nan for s, n in zip(sq, self._numel_list)]
         finite = [r for r in rms if r == r]
         med = statistics.median(finite) if finite else 0.0
         rel = [r / med if med > 0 and r == r else None for r in rms]
@@ -268,9 +291,9 @@ class LayerHealth(DebugCallback):
                                   {"grad_rel": r, "rms": rms[i], "median_rms": med, "norm": math.sqrt(sq[i])}))
         return found + (self.judge_explosion([math.sqrt(s) for s in sq]) if self.explode_factor > 0 else [])
 
-    def _early_rel(self, sq: list[float], nnz: torch.Tensor) -> list[float | None]:
+    def _early_rel(self, sq: list[float], nnz: Values) -> list[float | None]:
         """Each layer's gradient RMS over its non-zero elements / the largest layer's (None: no gradient)."""
-        rms = [math.sqrt(s / c) if c > 0 and s == s and s > 0 else None for s, c in zip(sq, nnz.tolist())]
+        rms = [math.sqrt(s / c) if c > 0 and s == s and s > 0 else None for s, c in zip(sq, _values(nnz))]
         top = max((r for r in rms if r is not None), default=0.0)
         rel = [r / top if r is not None and top > 0 else None for r in rms]
         known = [r for r in rel if r is not None]
@@ -333,6 +356,8 @@ class LayerHealth(DebugCallback):
                            step=step, limit=self.max_findings_per_code)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._params:
+            self._read(trainer)  # COLLECTIVE (world > 1): the steps still queued, every rank
         if trainer.global_rank != 0 or not self._params:
             return
         med_rel = _column_medians(self._rel_hist, len(self._layers))
@@ -352,6 +377,11 @@ def _column_medians(rows: deque, n: int) -> list[float | None]:
     return [statistics.median(c) if c else None for c in cols]
 
 
+def _values(x: torch.Tensor | list[float]) -> list[float]:
+    """Per-layer values as a list (the queue's rows are read once, as lists; tests pass tensors)."""
+    return x if isinstance(x, list) else x.tolist()
+
+
 def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
     """ZeRO-3 partitions are padded (ds_tensor's tail is uninitialised memory): keep this rank's real part."""
     if t is None or not hasattr(p, "ds_tensor"):
@@ -364,10 +394,13 @@ def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
 
 
 def _sumsq(tensors: list[torch.Tensor | None], scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Per tensor, the sum of squares of tensor / ``scale`` (fp16: the loss scale the gradients carry)."""
+    """Per tensor, the sum of squares of tensor / ``scale`` (fp16: the loss scale the gradients carry), where
+    the tensors live (no host read)."""
     present = [i for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
-    out = torch.zeros(len(tensors), dtype=torch.float64)
+    device = tensors[present[0]].device if present else torch.device("cpu")
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     if present:  # one fused pass (fp32 accumulation)
         norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
-        out[present] = (torch.stack(norms).double() / scale).cpu() ** 2
+        scale = scale.to(device) if isinstance(scale, torch.Tensor) else scale
+        out[torch.tensor(present, device=device)] = (torch.stack(norms).double() / scale) ** 2
     return out

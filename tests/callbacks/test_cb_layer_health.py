@@ -131,7 +131,7 @@ def test_hooks_measure_update_ratio_around_the_step_and_free_the_snapshot():
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     logger = _Logger()
     trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger])
-    cb = LayerHealth(every_n_steps=2)
+    cb = LayerHealth(every_n_steps=2, read_every_n_steps=1)  # judged at each step (queued: tested below)
     cb.on_fit_start(trainer, module)
     assert cb._layers == ["0", "1"]
     for step in range(3):
@@ -149,6 +149,38 @@ def test_hooks_measure_update_ratio_around_the_step_and_free_the_snapshot():
     expected = math.sqrt(sum(float((0.1 * g).pow(2).sum()) for g in grads) / sum(float(w.pow(2).sum()) for w in before))
     assert math.isclose(logger.rows[-1][1]["layers/update_ratio/1"], expected, rel_tol=1e-4)
     assert len(cb._rel_hist) == 3 and len(cb._upd_hist) == 2
+
+
+def test_queued_steps_are_judged_in_order_at_their_own_steps_as_at_once():
+    """read_every_n_steps=3: the per-layer sums wait on the device and are read 3 steps at a time; every step is
+    judged, in order, with its own step, to the same numbers as judging each step at once."""
+    def run(read_every: int) -> tuple[list, list, list]:
+        configure_channel(None)
+        torch.manual_seed(0)
+        module = torch.nn.Module()
+        module.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        logger = _Logger()
+        trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger],
+                                  max_steps=6)
+        cb = LayerHealth(every_n_steps=2, read_every_n_steps=read_every)
+        cb.on_fit_start(trainer, module)
+        seen = []
+        for step in range(6):
+            trainer.global_step = step
+            module.net(torch.randn(4, 8)).pow(2).mean().backward()
+            cb.on_before_optimizer_step(trainer, module, opt)
+            opt.step()
+            opt.zero_grad()
+            trainer.global_step += 1
+            cb.on_train_batch_end(trainer, module, None, None, step)
+            seen.append(len(cb._rel_hist))
+        return seen, [r for r, _ in logger.rows], list(cb._rel_hist)
+
+    at_once, queued = run(1), run(3)
+    assert at_once[0] == [1, 2, 3, 4, 5, 6] and queued[0] == [0, 0, 3, 3, 3, 6]  # read every 3 steps
+    assert queued[1] == at_once[1] == [0, 2, 4]  # metrics at their own steps
+    assert queued[2] == at_once[2]
 
 
 # ---- planted bugs in real runs ---------------------------------------------------------------
