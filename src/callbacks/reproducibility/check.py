@@ -59,7 +59,7 @@ class Reproducibility(DebugCallback):
       the key; ``force_deterministic: true`` turns them back on (warning ``deterministic_forced``).
       With ``deterministic: false`` (``debug=light``, the always-on preset) no torch or cuDNN flag is
       touched: seeds and env vars only. Deterministic kernels cost step time (docs/debugging.md
-      "Reproducibility notes": measured on CPU, and 1.305x light/none on an H100 when light had them on).
+      "Reproducibility notes"; on an H100 light/none was 1.305 while light still had them on, 2026-11-28).
     - ``fill_uninitialized_memory`` (PyTorch fills every new ``torch.empty`` buffer with NaN in
       deterministic mode): ``null`` (auto) fills only in strict mode -- ``warn_only: false``, or a strict
       mode already on (``trainer.deterministic=true``) -- where the user asked for bitwise replay; with
