@@ -100,7 +100,8 @@ class GradMonitor(DebugCallback):
                               f"on_error={on_error}: it acts before each update, so it reads every step; valid: 1 or "
                               "null (or on_error=warn)")
         self.read_every = read_every_n_steps or (10 if on_error == "warn" else 1)
-        self._queue: list[tuple[torch.Tensor, int, int | None]] = []  # (step's vector on the device, step, batch)
+        # (step's vector on the device, step, batch, its fp16 loss scale: DeepSpeed's python number, else None)
+        self._queue: list[tuple[torch.Tensor, int, int | None, float | None]] = []
         self.check_args(
             every_n_steps=(every_n_steps, integer(0, note="0 = no metrics")),
             max_norm=(max_norm, number(0, open_low=True)),
@@ -173,7 +174,7 @@ class GradMonitor(DebugCallback):
         self._loss_bad = None
         # replicated gradients (DDP, one process): every rank holds all of it, so the sum over ranks of x/world is x
         self._queue.append((torch.cat([sumsq / (world if self._source == "replicated" else 1), loss_bad]), step,
-                            self._batch_idx))
+                            self._batch_idx, self._overflow.scale_now()))  # fp16: the step's loss scale
         metrics = self.due(step)
         histograms = self._tensorboard and self.due(step, self.histogram_every_n_steps)
         last = 0 < (trainer.max_steps or -1) <= step + 1
@@ -189,16 +190,16 @@ class GradMonitor(DebugCallback):
         if not queue:
             return
         world, n = trainer.world_size, len(self._params)
-        rows = collectives.reduce(trainer, torch.stack([v for v, _, _ in queue]), "sum").cpu().tolist()
-        for i, (row, (_, step, batch)) in enumerate(zip(rows, queue)):
+        rows = collectives.reduce(trainer, torch.stack([v for v, *_ in queue]), "sum").cpu().tolist()
+        for i, (row, (_, step, batch, scale)) in enumerate(zip(rows, queue)):
             self._judge_step(trainer, pl_module, row[:n], [r for r, v in enumerate(row[n:]) if v > 0], step,
-                             batch, grads if i == len(queue) - 1 else None)
+                             batch, grads if i == len(queue) - 1 else None, scale)
 
     def _judge_step(self, trainer: Any, pl_module: Any, sq: list[float], bad_loss_ranks: list[int], step: int,
-                    batch: int | None, grads: list | None) -> None:
+                    batch: int | None, grads: list | None, scale: float | None = None) -> None:
         self._checked += 1
         bad = [i for i, v in enumerate(sq) if not math.isfinite(v)]
-        if self._overflow.judge(not bad_loss_ranks, not bad) == "absorbed":
+        if self._overflow.judge(not bad_loss_ranks, not bad, scale) == "absorbed":
             return  # an fp16 overflow the loss scaler skips (and lowers the scale for): counted, not reported
         if bad:
             self._report_nonfinite(trainer, pl_module, bad, sq, bad_loss_ranks, step, batch)

@@ -137,7 +137,13 @@ class OverflowJudge:
         self.absorbed = 0  # overflowed steps the scaler absorbed (for the checks' summaries)
         self.why = ""  # why the last non-finite step was not absorbed (a clause for the finding)
 
-    def judge(self, loss_finite: bool, grads_finite: bool) -> str:
+    def scale_now(self) -> float | None:
+        """The scale this step runs with, for a check that judges the step later (it reads its values in
+        batches): DeepSpeed's, a python number; None under GradScaler (counted from its start) or no scaler."""
+        return self.reader.scale() if self.reader is not None and self.reader.kind == "deepspeed" else None
+
+    def judge(self, loss_finite: bool, grads_finite: bool, scale: float | None = None) -> str:
+        """The verdict on one step, in step order; ``scale``: that step's (``scale_now()`` then), else the current."""
         if loss_finite and grads_finite:
             self.found, self.streak = True, 0
             return "finite"
@@ -145,7 +151,7 @@ class OverflowJudge:
         if self.reader is None or not loss_finite:
             self.why = "" if self.reader is None else "the loss itself is non-finite: no loss scale absorbs that"
             return "not_absorbed"
-        floor = self._floor()
+        floor = self._floor(scale)
         if floor:
             self.why = floor
         elif not self.found or self.streak <= ABSORBED_STREAK:
@@ -156,11 +162,11 @@ class OverflowJudge:
                         f"(lowering the scale did not help)")
         return "not_absorbed"
 
-    def _floor(self) -> str:
-        """Why the scale cannot go lower, or ''."""
+    def _floor(self, scale: float | None = None) -> str:
+        """Why the scale (the step's) cannot go lower, or ''."""
         r = self.reader
         if r.kind == "deepspeed":
-            floor, scale = r.min_scale(), r.scale()
+            floor, scale = r.min_scale(), (r.scale() if scale is None else scale)
             return (f"the loss scale is at its floor {scale:g} (min_loss_scale): the scaler cannot lower it"
                     if floor is not None and scale <= floor else "")
         scale = r.initial * r.obj.get_backoff_factor() ** (self.streak - 1)  # the scale this step ran with

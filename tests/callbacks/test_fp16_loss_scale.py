@@ -295,6 +295,16 @@ def test_a_scale_that_collapses_to_its_floor_from_the_start(monkeypatch):
     assert "the loss scale is at its floor 524288" in floor.message
 
 
+def test_steps_judged_later_are_judged_at_their_own_scale(monkeypatch):
+    # grad_monitor with policy warn reads its queue every read_every_n_steps (here: at the last step, 6), when the
+    # scale is already at its floor: steps 0-3 ran above it and are still the search's, absorbed
+    plant = RealFp16OnCpu(module=PLANT, overflow_step=0, overflow_steps=100)
+    found, engine = fit(monkeypatch, [GradMonitor(every_n_steps=0), MixedPrecisionCheck(every_n_steps=1)], 7,
+                        SEARCH, plants=(plant,), min_scale=2.0 ** 19)
+    assert [f[3] for f in found if f[1] == "nonfinite_grad"] == [4, 5, 6]
+    assert summary("grad_monitor", "grad_summary")["overflows_absorbed"] == 4
+
+
 # ---- real DeepSpeed fp16 through Lightning on this CPU --------------------------------------------------------
 
 DS_FP16 = [*SMOKE, "strategy=zero2", "trainer.val_check_interval=100", "export.fp32=false", "export.hf=false",

@@ -51,7 +51,7 @@ class DeepSpeedFp16OnCpu(RealFp16OnCpu):
     for this process it is told otherwise. ``initial_scale_power``/``hysteresis``/``min_loss_scale`` go to the ds_config
     ``fp16`` section (Lightning's DeepSpeedStrategy writes it from these attributes); 32 makes the scaler search down
     from 2^32, as Megatron starts, a normal run of skipped steps at the start. The overflow plant is RealFp16OnCpu's.
-    Use with ``strategy=zero2`` (or zero1/zero3)."""
+    Used with ``strategy=zero2`` (tests/callbacks/test_fp16_loss_scale.py)."""
 
     def __init__(self, initial_scale_power: int = 16, hysteresis: int = 2, min_loss_scale: float = 1.0,
                  loss_scale_window: int = 1000, **kwargs: Any) -> None:
