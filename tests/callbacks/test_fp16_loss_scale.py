@@ -99,6 +99,27 @@ def test_torch_gradscaler_search_is_bounded_by_a_scale_below_one():
     assert _verdicts(OverflowJudge(ScalerReader("torch", scaler), resumed=True), "oooo") == "AAAN"  # past its search
 
 
+def test_grad_factor_is_what_the_gradients_still_carry_under_torch_amp():
+    """Lightning's 16-mixed unscales before on_before_optimizer_step (factor 1); an optimizer that unscales in its
+    own step (fused AdamW: Lightning skips unscale_) leaves the scale in: the factor is the scale, on the device."""
+    p = torch.nn.Parameter(torch.ones(3))
+    for fused in (False, True):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        opt = torch.optim.AdamW([p], fused=fused)
+        reader = ScalerReader("torch", scaler)
+        p.grad = None
+        scaler.scale((p * 2.0).sum()).backward()
+        if not fused:
+            scaler.unscale_(opt)
+            assert reader.grad_factor(opt) == 1.0 and torch.equal(p.grad, torch.full((3,), 2.0))
+        else:
+            factor = reader.grad_factor(opt)
+            assert isinstance(factor, torch.Tensor) and torch.equal(p.grad / factor, torch.full((3,), 2.0))
+        assert float(reader.backward_scale()) == 1024.0
+        scaler.step(opt)
+        scaler.update()
+
+
 # ---- the checks through their hooks, with a stand-in for DeepSpeed's fp16 engine ----------------------------
 
 class Block(nn.Module):
