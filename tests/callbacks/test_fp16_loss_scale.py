@@ -172,6 +172,19 @@ class Fp16Engine:
         self.scales: list[float] = []  # the scale each step's backward ran with
 
 
+_start = [0]  # where this test's findings begin in the process-wide channel (earlier tests' stay in it)
+
+
+@pytest.fixture(autouse=True)
+def _this_tests_findings():
+    _start[0] = len(get_channel().local)
+
+
+def records() -> list:
+    """The findings this test reported (Finding objects)."""
+    return get_channel().local[_start[0]:]
+
+
 def fit(monkeypatch, checks: list, steps: int, init_scale: float, plants: tuple = (), min_scale: float = 1.0,
         lr: float = 0.05) -> tuple[list[tuple], Fp16Engine]:
     """Run ``steps`` optimizer steps of the fp16 net through the checks' hooks; the new findings
@@ -236,7 +249,7 @@ def loud(found: list[tuple]) -> list[tuple]:
 
 
 def summary(check: str, code: str) -> dict:
-    hits = [f for f in get_channel().local if f.check == check and f.code == code]
+    hits = [f for f in records() if f.check == check and f.code == code]
     return hits[-1].details
 
 
@@ -267,7 +280,7 @@ def test_a_planted_nan_after_the_search_is_named_with_its_module(monkeypatch):
     assert before == []  # the search's overflows: no finding, no rerun
     nan = [f for f in found if f[0] == "nan_triage" and f[2] != "info"]
     assert nan == [("nan_triage", "nan_reproducible", "error", 5)]
-    record = next(f for f in get_channel().local if f.code == "nan_reproducible")
+    record = next(f for f in records() if f.code == "nan_reproducible")
     assert record.details["module"] == PLANT and record.details["rerun_index"] == 1
     assert ("grad_monitor", "nonfinite_grad", "error", 5) in found  # a non-finite loss is never the scaler's
     assert summary("nan_triage", "nan_summary")["overflows_absorbed"] == 5
@@ -291,13 +304,13 @@ def test_an_overflow_streak_after_the_search_is_named_and_rerun_with_the_loss_sc
                                    ("mixed_precision", "overflow_streak", "warning", 10),
                                    ("nan_triage", "nan_reproducible", "error", 10),
                                    ("nan_triage", "nan_reproducible", "error", 11)]
-    rerun = next(f for f in get_channel().local if f.code == "nan_reproducible" and f.step == 10)
+    rerun = next(f for f in records() if f.code == "nan_reproducible" and f.step == 10)
     assert rerun.details["rerun"] == "forward+backward" and rerun.details["arose_in"] == "backward"
     assert rerun.details["rerun_loss_scale"] == engine.scales[10]  # the step's scale: the overflow came back
     assert "4 overflowed steps in a row" in rerun.message
-    grad = next(f for f in get_channel().local if f.code == "nonfinite_grad" and f.step == 10)
+    grad = next(f for f in records() if f.code == "nonfinite_grad" and f.step == 10)
     assert "not an overflow the loss scaler absorbs: 4 overflowed steps in a row" in grad.message
-    streak = next(f for f in get_channel().local if f.code == "overflow_streak")
+    streak = next(f for f in records() if f.code == "overflow_streak")
     assert "(steps 7..10)" in streak.message and f"(was {2 ** 18})" in streak.message
 
 
@@ -312,7 +325,7 @@ def test_a_scale_that_collapses_to_its_floor_from_the_start(monkeypatch):
     assert ("grad_monitor", "nonfinite_grad", "error", 4) in found and \
         ("nan_triage", "nan_reproducible", "error", 4) in found
     assert [f for f in loud(found) if f[3] < 3] == []
-    floor = next(f for f in get_channel().local if f.code == "nonfinite_grad" and f.step == 4)
+    floor = next(f for f in records() if f.code == "nonfinite_grad" and f.step == 4)
     assert "the loss scale is at its floor 524288" in floor.message
 
 
