@@ -272,25 +272,35 @@ def isolate(cls: type, hooks: tuple[str, ...] = HOOKS) -> None:
         setattr(cls, hook, make())
 
 
-def guarded(check: Any, fn: Callable, where: str) -> Callable:
-    """``fn`` (a module forward hook, a tensor gradient hook, ...) run inside ``check``'s guard: nothing
-    once the check is off; an exception is the check's failure (``check_failed``, ``where`` as its
-    hook) and returns None (the hook changes nothing). For hooks a check registers on the user's model."""
+class _Guarded:
+    """``fn`` inside ``check``'s guard (see ``guarded``). A class, not a closure: the user's model holds it (a
+    module hook), and a model or a check that reaches it must still pickle (ddp_spawn)."""
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if is_off(check) or not type(check).isolated:
-            return fn(*args, **kwargs) if not is_off(check) else None
+    def __init__(self, check: Any, fn: Callable, where: str) -> None:
+        self.check, self.fn, self.where = check, fn, where
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _LET_THROUGH
+        check = self.check
+        if is_off(check):
+            return None
+        if not type(check).isolated:
+            return self.fn(*args, **kwargs)
         try:
-            return fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         except Exception as exc:
-            global _LET_THROUGH
             if _LET_THROUGH is None:
                 _LET_THROUGH = _let_through()
             if isinstance(exc, _LET_THROUGH) or strict():
                 raise
             ref = check.__dict__.get("_isolation_trainer")
-            _fail(check, ref() if ref is not None else None, where, exc)
+            _fail(check, ref() if ref is not None else None, self.where, exc)
             return None
 
-    return run
+
+def guarded(check: Any, fn: Callable, where: str) -> Callable:
+    """``fn`` (a module forward hook, a tensor gradient hook, ...) run inside ``check``'s guard: nothing
+    once the check is off; an exception is the check's failure (``check_failed``, ``where`` as its
+    hook) and returns None (the hook changes nothing). For hooks a check registers on the user's model."""
+    return _Guarded(check, fn, where)

@@ -59,7 +59,10 @@ def refuse_unheld(module: torch.nn.Module, config: dict | None, precision: str |
     trainer's, which Lightning writes into the config as "gradient_clipping" only when the engine is set
     up (a ds_config.json's own value wins). Local, every rank."""
     stage = zero_stage(config)
-    clip = float((config or {}).get("gradient_clipping", gradient_clip_val) or 0.0)
+    clip = (config or {}).get("gradient_clipping", gradient_clip_val)
+    if isinstance(clip, str):  # an HF-style "auto": the trainer's value fills it in (config/ds_config.py)
+        clip = gradient_clip_val
+    clip = float(clip or 0.0)
     engine = f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed (ZeRO stage 0)"
     for name, p in _named_parameters(module):
         what = f"parameter {name} (shape {_shape(p)}, {_dtype(p)})"

@@ -147,3 +147,21 @@ def test_odd_shapes_on_two_ranks(strategy, ddp_two_ranks, tmp_path, shared_cache
         assert got[name].shape == w.shape and torch.allclose(got[name], w, rtol=0, atol=ATOL), name
     assert all(got[name].shape == () for name in SCALARS)
     assert torch.equal(got["net.up.weight"], got["net.down.weight"])
+
+
+@pytest.mark.parametrize("trainer_clip, refused", [(1.0, True), (None, False), (0.0, False)])
+def test_hf_auto_gradient_clipping_takes_the_trainers_value(trainer_clip, refused):
+    """An HF-style ds_config.json says "gradient_clipping": "auto" (tests/data/ds_configs/hf_zero2.json):
+    the trainer's value decides whether stage 0's fp32 clipping meets the 0-dim gate (it crashed with
+    'could not convert string to float: auto' before)."""
+    from dsdebug.errors import ConfigError
+    from dsdebug.trainer.param_layout import refuse_unheld
+
+    net = torch.nn.Module()
+    net.gate = torch.nn.Parameter(torch.ones(()))
+    config = {"zero_optimization": {"stage": 0}, "gradient_clipping": "auto"}
+    if refused:
+        with pytest.raises(ConfigError, match=r"parameter gate .*is 0-dim"):
+            refuse_unheld(net, config, "32-true", trainer_clip)
+    else:
+        refuse_unheld(net, config, "32-true", trainer_clip)
