@@ -141,8 +141,20 @@ class DebugCallback(Callback):
         every = getattr(self, "every_n_steps", None) if every is None else every
         return bool(every) and step % every == 0
 
+    def read_queued(self, trainer: Any) -> None:
+        """Judge now the per-step values this check keeps on the device between its batched host reads
+        (``read_every_n_steps``). Called by ``state_dict`` before the state is taken, so a checkpoint holds every
+        step it covers judged: a resumed run ends with the state of an uninterrupted one. COLLECTIVE where the
+        check's reads are: Lightning's ``dump_checkpoint`` takes every callback's state on every rank, at the same
+        step. Default: nothing queued."""
+
     def state_dict(self) -> dict[str, Any]:
-        """The running state of ``state_attrs``, saved in every checkpoint Lightning writes."""
+        """The running state of ``state_attrs``, saved in every checkpoint Lightning writes (the steps queued
+        for a batched read judged first: ``read_queued``)."""
+        ref = self.__dict__.get("_isolation_trainer")  # set in setup (isolation.py); None outside a fit
+        trainer = ref() if ref is not None else None
+        if trainer is not None:
+            self.read_queued(trainer)
         return {attr: _plain(getattr(self, attr)) for attr in self.state_attrs if hasattr(self, attr)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -183,6 +183,9 @@ class GradMonitor(DebugCallback):
         if histograms:
             self._histograms(trainer, grads)
 
+    def read_queued(self, trainer: Any) -> None:
+        self._read(trainer, trainer.lightning_module)  # before a checkpoint takes the EMA (base.py)
+
     def _read(self, trainer: Any, pl_module: Any, grads: list | None = None) -> None:
         """Judge the queued steps in order; ``grads`` (the last step's) for its metrics. COLLECTIVE (world > 1):
         one all-reduce of [N x (params + world)] and one host read, EVERY rank at the same step."""

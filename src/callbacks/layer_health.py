@@ -221,6 +221,9 @@ class LayerHealth(DebugCallback):
         if len(self._queue) >= self.read_every or 0 < (getattr(trainer, "max_steps", 0) or -1) <= trainer.global_step:
             self._read(trainer)
 
+    def read_queued(self, trainer: Any) -> None:
+        self._read(trainer)  # before a checkpoint takes the per-layer state (base.py)
+
     def _read(self, trainer: Any) -> None:
         """Judge the queued steps in order. COLLECTIVE (world > 1): one all-reduce of [N x 4 layers] and one host
         read, EVERY rank at the same step (the queue fills alike everywhere)."""

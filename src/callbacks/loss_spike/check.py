@@ -212,6 +212,9 @@ class LossSpike(DebugCallback):
         if len(self._queue) >= self.read_every or last:
             self._read(trainer, pl_module)
 
+    def read_queued(self, trainer: Any) -> None:
+        self._read(trainer, trainer.lightning_module)  # before a checkpoint takes the window (base.py)
+
     def _read(self, trainer: Any, pl_module: Any) -> None:
         """Judge the queued steps in order. COLLECTIVE (world > 1): one all-reduce of [N x (world + 1)] and one
         host read, EVERY rank at the same step (the queue fills alike everywhere)."""
