@@ -207,6 +207,14 @@ class DebugCallback(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Nothing of its own; the guard closes the checks' side channel after the last check's teardown."""
 
+    def release(self, trainer: Any) -> None:
+        """Undo what this check put on the process and the user's model (threads, watchdogs, module and
+        autograd hooks, logging handlers, torch flags, environment variables), as its end-of-run hooks do.
+        Idempotent, local (no collective). The guard calls it when the check is switched off (a failure:
+        isolation.py) and again at ``teardown``/``on_exception`` of a check that is off, whose own hooks no
+        longer run: a switched-off check must leave nothing running (a hang watchdog that ends a healthy run
+        when its heartbeats stop). Default: nothing to undo."""
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         attach_channel(trainer)  # COLLECTIVE when it acts (see attach_channel)
 

@@ -244,11 +244,16 @@ class CommDebug(DebugCallback):
             self.watchdog.wait_for_exit()  # the watchdog is reporting the hang and ends the process
         self._stop_watchdog()
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def release(self, trainer: Any) -> None:
+        """The hang watchdog stopped (its heartbeats end with the check: it would call a healthy run hung),
+        the collective timing unhooked (base.py)."""
         self._stop_watchdog()
         if self.tracker is not None:
             self.tracker.release()
             self.tracker = None
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.release(trainer)
         if stage == "fit":  # the children are gone; leave the process environment as we found it
             for key, value in self._env_before.items():
                 if value is None:

@@ -291,11 +291,15 @@ class FreezeVerify(DebugCallback):
             self._apply_policy(trainer, Finding(self.name, "error", code, message, advice,
                                                 step=trainer.global_step, rank=None))
 
-    def _finish(self, trainer: Any) -> None:
+    def release(self, trainer: Any) -> None:
+        """The forward and gradient hooks off the user's model (base.py)."""
         self._pending = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _finish(self, trainer: Any) -> None:
+        self.release(trainer)
         self._verify(trainer)
 
     def _verify(self, trainer: Any) -> None:

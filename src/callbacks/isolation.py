@@ -154,8 +154,22 @@ def _trainer_of(check: Any, hook: str, args: tuple) -> Any:
     return args[0] if args else None
 
 
-def _switch_off(check: Any, reason: str) -> None:
+def _switch_off(check: Any, reason: str, trainer: Any = None) -> None:
+    """Off for the rest of the fit, and what it put on the process released at once (``release``)."""
     check.__dict__["_isolation_off"] = reason
+    _release(check, trainer)
+
+
+def _release(check: Any, trainer: Any) -> None:
+    """``check.release(trainer)`` (idempotent, local); never raises into the run."""
+    release = getattr(check, "release", None)
+    if release is None:
+        return
+    try:
+        release(trainer)
+    except Exception as e:  # noqa: BLE001 - the run goes on; the log says what may be left behind
+        log.warning("isolation: %s (switched off) could not release what it set up: %s: %s", check.name,
+                    type(e).__name__, e)
 
 
 def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
@@ -168,7 +182,7 @@ def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
     where = f"at step {step}" if step is not None else "at setup"
     frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
     tail = "".join(frames[-_TRACEBACK_FRAMES:])
-    _switch_off(check, f"{type(exc).__name__} in {hook}")
+    _switch_off(check, f"{type(exc).__name__} in {hook}", trainer)
     session = _session(trainer)
     check_id = session.ids.get(id(check)) if session is not None else None
     if session is not None and session.sync is not None and check_id is not None:
@@ -210,17 +224,19 @@ def _call(check: Any, fn: Callable, hook: str, args: tuple, kwargs: dict) -> Any
     check_id = session.ids.get(id(check)) if session is not None else None
     sync = session.sync if session is not None else None
     if sync is not None and check_id is not None and check_id in sync.failed and not is_off(check):
-        _switch_off(check, "failed on another rank")
+        _switch_off(check, "failed on another rank", trainer)
         log.info("isolation: %s switched off here: it failed on another rank", check.name)
     try:
         if is_off(check):
+            if hook in ("teardown", "on_exception"):  # its own end-of-run cleanup does not run: release
+                _release(check, trainer)
             return default
         check.__dict__["_isolation_running"] = True
         try:
             with check_sync.running(sync, -1 if check_id is None else check_id):
                 return fn(check, *args, **kwargs)
         except check_sync.CheckAborted:
-            _switch_off(check, "failed on another rank")
+            _switch_off(check, "failed on another rank", trainer)
             log.info("isolation: %s switched off here before its collective in %s: it failed on another rank",
                      check.name, hook)
             return default

@@ -118,7 +118,8 @@ class MoERouter(DebugCallback):
     # ---- setup: every rank ----------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         moe = getattr(pl_module, "moe", None)
-        self._moe = moe if moe is not None and moe.observe(self._on_forward) else None
+        self._observer = self.guarded(self._on_forward, "the router observer")  # runs in the model's forward
+        self._moe = moe if moe is not None and moe.observe(self._observer) else None
         if self._moe is None:
             if trainer.global_rank == 0:
                 self.report(trainer, "info", "no_routers", f"{type(getattr(pl_module, 'net', pl_module)).__name__} "
@@ -329,10 +330,15 @@ class MoERouter(DebugCallback):
         self.report_capped(trainer, severity, code, message, advice, details, rank=None,
                            step=trainer.global_step - 1, limit=self.max_findings_per_code)
 
+    def release(self, trainer: Any) -> None:
+        """The router observer off the model (base.py)."""
+        if self._moe is not None:
+            self._moe.unobserve(self._observer)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._moe is None:
             return
-        self._moe.unobserve(self._on_forward)
+        self.release(trainer)
         if trainer.global_rank != 0:
             return
         if self._last is None:

@@ -171,6 +171,10 @@ class Profiler(DebugCallback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
 
+    def release(self, trainer: Any) -> None:
+        """The profiler and its record_function ranges stopped (base.py)."""
+        self._stop()
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         try:
             self._stop()

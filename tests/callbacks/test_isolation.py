@@ -10,10 +10,12 @@ runs set DSDEBUG_STRICT=0 to show what a user gets.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.findings import read_findings
 from tests.helpers.runs import REPO, SMOKE, TINY_NET, assert_ok, metrics, only_run_dir, run_train, train_in_process
@@ -72,6 +74,28 @@ def test_a_check_that_raises_is_reported_once_switched_off_and_the_run_completes
         assert f["step"] == 3
     # the other checks of debug=light ran to the end (the run's own summary findings are there)
     assert any(r["check"] == "loss_spike" and r["code"] == "loss_spike_summary" for r in read_findings(run_dir))
+
+
+def test_checks_switched_off_mid_run_leave_nothing_running(tmp_path, shared_cache, monkeypatch):
+    """Every check of debug=full (+ grad_checkpointing, the profiler inside its window) switched off at step 3
+    through the guard's failure path: two steps later no hang watchdog (it would call the healthy run hung and
+    end it with exit 124 once the heartbeats stopped), no logging handler, torch's deterministic flag as before,
+    no profiler, no saved-tensors hook, no module hook or router observer of a check that is off."""
+    monkeypatch.setenv("DSDEBUG_STRICT", "0")
+    run_dir = tmp_path / "run"
+    assert not torch.are_deterministic_algorithms_enabled()  # debug=full switches it on
+    out = train_in_process(SMOKE + TINY_NET + [
+        "debug=full", "+callbacks=grad_checkpointing", "callbacks.profiler.wait=1", "callbacks.profiler.active=4",
+        "callbacks.comm_debug.hang_timeout_s=300", "trainer.max_steps=7", "trainer.val_check_interval=7",
+        "export.hf=false", "export.fp32=false",
+        "+callbacks.off._target_=tests.planted.isolation.SwitchAllOffAt", "+callbacks.off.step=3"], run_dir, shared_cache)
+    assert out["status"] == "completed" and out["global_step"] == 7
+    failed = {f["check"] for f in _failed(run_dir)}
+    assert {"comm_debug", "log_sync", "reproducibility", "profiler", "moe_router", "grad_checkpointing",
+            "freeze_verify"} <= failed, failed
+    left = json.loads((run_dir / "left_behind.json").read_text())
+    assert left == {"watchdog_threads": [], "log_handlers": [], "deterministic": False,
+                    "profiler_on": False, "saved_tensors_hook": False, "model_hooks": [], "moe_observers": []}
 
 
 def test_the_verdict_and_the_report_name_the_failed_check(tmp_path, shared_cache, monkeypatch):

@@ -17,9 +17,14 @@ rank), where it raises in ``hook`` at ``where``:
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.distributed import collectives
@@ -88,3 +93,47 @@ class BadArgumentCheck(DebugCallback):
         from dsdebug.errors import ConfigError
 
         raise ConfigError("callbacks.bad_argument.pattern='x*' matches no parameter; valid: a regex of a name")
+
+
+class SwitchAllOffAt(Callback):
+    """Not a check: at the end of ``step``'s batch it switches every check off through the guard's own failure
+    path (as if each had raised there: ``check_failed``, release), then two steps later writes what the
+    switched-off checks left running to ``<run dir>/left_behind.json``: hang-watchdog threads, dsdebug logging
+    handlers, torch's deterministic flag, the profiler, a saved-tensors hook,
+    module hooks and MoE router observers of checks that are off.
+
+    ``+callbacks.off._target_=tests.planted.isolation.SwitchAllOffAt +callbacks.off.step=3``"""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = int(step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from dsdebug.callbacks import isolation
+
+        if trainer.global_step == self.step:
+            for cb in trainer.callbacks:
+                if isinstance(cb, DebugCallback) and type(cb).isolated and not isolation.is_off(cb):
+                    isolation._fail(cb, trainer, "on_train_batch_end", RuntimeError("planted: switched off"))
+        elif trainer.global_step == self.step + 2:
+            Path(trainer.default_root_dir, "left_behind.json").write_text(json.dumps(left_behind(pl_module)))
+
+
+def left_behind(pl_module: Any) -> dict[str, Any]:
+    from dsdebug.callbacks import isolation
+
+    def off(fn: Any) -> bool:
+        return isinstance(fn, isolation._Guarded) and isolation.is_off(fn.check)
+
+    hooks = [f"{name}: {fn.where}" for name, m in pl_module.named_modules()
+             for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for fn in d.values() if off(fn)]
+    moe = getattr(pl_module, "moe", None)
+    return {
+        "watchdog_threads": [t.name for t in threading.enumerate() if "watchdog" in t.name and t.is_alive()],
+        "log_handlers": [type(h).__name__ for h in logging.getLogger().handlers
+                         if type(h).__module__.startswith("dsdebug")],
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "profiler_on": bool(torch.autograd._profiler_enabled()),
+        "saved_tensors_hook": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        "model_hooks": hooks,
+        "moe_observers": [fn.where for fn in getattr(moe, "listeners", ()) if off(fn)],
+    }

@@ -188,6 +188,10 @@ class GradCheckpointing(DebugCallback):
         self._remove_hooks()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.release(trainer)
+
+    def release(self, trainer: Any) -> None:
+        """The saved-tensor counting context closed, the block hooks removed (base.py)."""
         if self._measure is not None:
             self._measure["with"].exit()
             self._measure = None

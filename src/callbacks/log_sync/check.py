@@ -195,6 +195,10 @@ class LogSync(DebugCallback):
             self._finish_wandb(trainer, exception)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.release(trainer)
+
+    def release(self, trainer: Any) -> None:
+        """The logging handler and the collective timing removed (base.py)."""
         if self.buffer is not None:
             logging.getLogger().removeHandler(self.buffer)
             self.buffer = None

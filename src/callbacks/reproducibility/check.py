@@ -250,7 +250,13 @@ class Reproducibility(DebugCallback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """After fit, every rank: put the process-wide flags and env vars back (child ranks
         and workers were started long ago with ours)."""
+        self.release(trainer)
+
+    def release(self, trainer: Any) -> None:
+        """torch's flags, the warning hook and the environment variables as they were before the check
+        (base.py); the replay's pending records dropped."""
         self._restore_warnings()
+        self._drop_pending()
         if self._flags_set:  # deterministic=false never touched them: what the Trainer or the user set stays
             det, warn_only, fill, cudnn_det, bench = self._saved_flags
             torch.use_deterministic_algorithms(det, warn_only=warn_only)
