@@ -355,19 +355,35 @@ class GradMonitor(DebugCallback):
 
     def _histograms(self, trainer: Any, grads: list) -> None:
         with collectives.collective_region():  # ZeRO: one full-gradient gather per parameter, agreed once
-            self._histograms_in_region(trainer, grads)
+            error = self._histograms_in_region(trainer, grads)
+        if error is not None:  # outside the block: every rank is past its gathers
+            raise error
 
-    def _histograms_in_region(self, trainer: Any, grads: list) -> None:
+    def _histograms_in_region(self, trainer: Any, grads: list) -> Exception | None:
+        """Every rank makes every gather (same order); what only rank 0 does (the histograms) cannot stop the
+        others: its first error is returned, for raising once the block of collectives is over."""
+        error: Exception | None = None
         for name, p, g in zip(self._names, self._params, grads):
             if self._source != "replicated":  # COLLECTIVE per parameter, every rank, same order
                 from deepspeed.utils import safe_get_full_grad
 
                 g = safe_get_full_grad(p)
-            if g is not None and trainer.global_rank == 0:
-                for lg in trainer.loggers:
-                    if type(lg).__name__ == "TensorBoardLogger":
-                        lg.experiment.add_histogram(f"grad/hist/{name}", (g.detach().float() / self._factor).cpu(),
-                                                    trainer.global_step)
+            if g is None or trainer.global_rank != 0 or error is not None:
+                continue
+            try:
+                self._histogram(trainer, name, g)
+            except Exception as exc:  # noqa: BLE001 - raised by _histograms, once every rank is past the gathers
+                error = exc
+        return error
+
+    def _histogram(self, trainer: Any, name: str, g: torch.Tensor) -> None:
+        values = (g.detach().float() / self._factor).cpu().flatten()
+        values = values[torch.isfinite(values)]  # NaN/Inf are named by the checks; TensorBoard refuses them
+        if not values.numel():
+            return
+        for lg in trainer.loggers:
+            if type(lg).__name__ == "TensorBoardLogger":
+                lg.experiment.add_histogram(f"grad/hist/{name}", values, trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._read(trainer, pl_module)  # COLLECTIVE (world > 1): the steps still queued, every rank

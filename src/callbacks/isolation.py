@@ -11,12 +11,15 @@ Across ranks (a check's collective on some ranks only is a hang): the checks' co
 ``distributed/collectives.py``, which agrees on a side channel first (``distributed/check_sync.py``).
 A failure posts a notice there without waiting; the other ranks meet it at their next collective of
 that check (or of any check, or the close at the end of the fit) and switch the check off before it, so
-no rank is left inside a collective the failed rank will never join.
+no rank is left inside a collective the failed rank will never join. Inside a block of collectives
+agreed once (``collective_region``: ZeRO-3 gathers, a rerun of the model) no notice can reach a rank that
+is already in it: a failure there is reported (``in_region`` in its details) and ends the run.
 
 Let through, never isolated: user errors (``ConfigError``: a bad config value a check finds is the
 user's to fix, one line, exit 2), ``StoppedByCheck``, Lightning's clean stop (``_TunerExitException``,
 the doctor's), a broken process group (``torch.distributed.DistError``: the run's failure, not the
-check's), and ``KeyboardInterrupt``/``SystemExit``.
+check's; likewise any error raised inside one of the checks' collectives, marked by
+``distributed/collectives.py``: gloo's are plain RuntimeErrors), and ``KeyboardInterrupt``/``SystemExit``.
 
 Strict mode re-raises instead (the test suite and developers: the checks' own bugs must fail tests):
 ``debug.strict=true`` in the run's config (``set_strict``), else the environment variable
@@ -25,6 +28,7 @@ Strict mode re-raises instead (the test suite and developers: the checks' own bu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -172,8 +176,18 @@ def _release(check: Any, trainer: Any) -> None:
                     type(e).__name__, e)
 
 
+def in_region(exc: BaseException) -> bool:
+    """Raised inside a block of collectives (``collective_region``) of a distributed run: the other ranks may
+    be inside it, waiting for this one, where no notice reaches them."""
+    return bool(getattr(exc, "dsdebug_in_region", False))
+
+
 def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
-    """Report ``check_failed`` (this rank) and switch the check off; tell the other ranks (async)."""
+    """Report ``check_failed`` (this rank) and switch the check off; tell the other ranks (async). Raised
+    inside a block of collectives (``in_region``): reported, and the caller re-raises (the run stops)."""
+    fatal = in_region(exc)
+    if getattr(exc, "dsdebug_reported", False):  # a module hook's failure, met again by the hook around it
+        return
     rank = getattr(trainer, "global_rank", None)
     step = getattr(trainer, "global_step", None)
     what = f"{type(exc).__name__} {str(exc)[:300]!s}" if str(exc) else type(exc).__name__
@@ -185,7 +199,7 @@ def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
     _switch_off(check, f"{type(exc).__name__} in {hook}", trainer)
     session = _session(trainer)
     check_id = session.ids.get(id(check)) if session is not None else None
-    if session is not None and session.sync is not None and check_id is not None:
+    if not fatal and session is not None and session.sync is not None and check_id is not None:
         try:
             session.sync.notice(check_id)  # local, async: the other ranks drop its next collective
         except Exception as e:  # the side channel itself is broken (a rank died): the run will see it
@@ -195,14 +209,21 @@ def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
             check=check.name, severity="error", code="check_failed",
             message=f"a check failed: {check.name}, {what} in {hook} {where}"
                     + (f" on rank {rank}" if rank is not None else "")
-                    + "; it was switched off for the rest of the run (on every rank), which goes on",
-            advice="the run itself is unaffected, only this check's judgement is missing from here on: this is a "
-                   "bug in the check (traceback in this finding's details.traceback), please report it; "
-                   f"debug.strict=true re-raises instead, ~callbacks.{check.name} removes the check",
+                    + ("; it failed inside a block of collectives the other ranks may be waiting in, so the run "
+                       "stops here (switching the check off would leave them hanging)" if fatal else
+                       "; it was switched off for the rest of the run (on every rank), which goes on"),
+            advice=("this is a bug in the check (traceback in this finding's details.traceback), please report it; "
+                    f"~callbacks.{check.name} removes the check, and the run can resume from its last checkpoint"
+                    if fatal else
+                    "the run itself is unaffected, only this check's judgement is missing from here on: this is a "
+                    "bug in the check (traceback in this finding's details.traceback), please report it; "
+                    f"debug.strict=true re-raises instead, ~callbacks.{check.name} removes the check"),
             step=step, rank=rank,
             details={"hook": hook, "exception": type(exc).__name__, "error": str(exc)[:2000],
-                     "traceback": tail, "in_region": check_sync.in_region()},
+                     "traceback": tail, "in_region": fatal},
         ))
+        with contextlib.suppress(Exception):
+            exc.dsdebug_reported = True  # type: ignore[attr-defined]
     except Exception as e:  # the channel must not fail either; the log line is the last resort
         log.error("isolation: %s failed in %s (%s) and its finding could not be written: %s", check.name, hook,
                   what, e)
@@ -243,9 +264,11 @@ def _call(check: Any, fn: Callable, hook: str, args: tuple, kwargs: dict) -> Any
         except Exception as exc:
             if _LET_THROUGH is None:
                 _LET_THROUGH = _let_through()
-            if isinstance(exc, _LET_THROUGH) or strict():
+            if isinstance(exc, _LET_THROUGH) or getattr(exc, "dsdebug_collective", False) or strict():
                 raise
             _fail(check, trainer, hook, exc)
+            if in_region(exc):
+                raise
             return default
         finally:
             check.__dict__["_isolation_running"] = False
@@ -308,10 +331,12 @@ class _Guarded:
         except Exception as exc:
             if _LET_THROUGH is None:
                 _LET_THROUGH = _let_through()
-            if isinstance(exc, _LET_THROUGH) or strict():
+            if isinstance(exc, _LET_THROUGH) or getattr(exc, "dsdebug_collective", False) or strict():
                 raise
             ref = check.__dict__.get("_isolation_trainer")
             _fail(check, ref() if ref is not None else None, self.where, exc)
+            if in_region(exc):
+                raise
             return None
 
 

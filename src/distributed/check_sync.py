@@ -195,6 +195,10 @@ def collective_region() -> Iterator[None]:
     token = _current.set((now[0], now[1], True))
     try:
         yield
+    except BaseException as exc:  # marked for the guard: the other ranks may be inside the block, waiting
+        with contextlib.suppress(Exception):
+            exc.dsdebug_in_region = True  # type: ignore[attr-defined]
+        raise
     finally:
         _current.reset(token)
 

@@ -214,3 +214,17 @@ def test_a_check_raising_on_rank_1_only_under_zero3_does_not_hang_the_run(tmp_pa
 @pytest.mark.slow  # the same protocol as the ZeRO-3 run above (make test); DDP's own collectives differ
 def test_a_check_raising_on_rank_1_only_under_ddp_does_not_hang_the_run(tmp_path, shared_cache):
     _assert_isolated_on_two_ranks(_two_rank_isolation("ddp", tmp_path, shared_cache))
+
+
+@pytest.mark.slow  # a 2-process run that stops (~50 s); the protocol's fast 2-process run is the ZeRO-3 one
+def test_a_check_failing_inside_a_block_of_collectives_stops_the_run_instead_of_hanging(tmp_path, shared_cache):
+    """Rank 1 raises inside a collective_region while rank 0 is in the all-reduce within it: no notice can
+    reach rank 0 there, so the failure is reported (in_region) and the run stops, in seconds, not at a timeout."""
+    args = SMOKE + TINY_NET + ["debug=light", "trainer=ddp_sim", "strategy=ddp", "trainer.max_steps=6",
+                               "trainer.val_check_interval=6", "export.hf=false",
+                               *_raiser("a", step=3, rank=1, where="region")]
+    proc = run_train(args, tmp_path / "logs", shared_cache, timeout=240, env={"DSDEBUG_STRICT": "0"})
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    failed = _failed(only_run_dir(tmp_path / "logs"))
+    assert [(f["check"], f["rank"], f["step"], f["details"]["in_region"]) for f in failed] == [("a", 1, 3, True)]
+    assert "the run stops here" in failed[0]["message"] and "KeyError 'grad_norm'" in failed[0]["message"]

@@ -7,6 +7,7 @@ rank), where it raises in ``hook`` at ``where``:
 - ``before``: before its all-reduce, while the other ranks are already inside it (the hang the side
   channel prevents);
 - ``after``: after it (nothing pending; the others go on to the next check's collective);
+- ``region``: inside a ``collective_region`` while the other ranks are in its all-reduce (the run stops);
 - ``hook=on_train_batch_start``: in a hook without a collective (the others meet the notice at the next
   step's all-reduce);
 - ``hook=forward``: in a forward hook it put on the model (``guarded``);
@@ -71,6 +72,11 @@ class RaisingCheck(DebugCallback):
         if self._due(trainer, "on_train_batch_end", "before"):
             self._raise()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if self.where == "region":  # inside a block of collectives agreed once, the all-reduce in it
+            with collectives.collective_region():
+                if self._due(trainer, "on_train_batch_end", "region"):
+                    self._raise()
+                collectives.reduce(trainer, torch.tensor([1.0], dtype=torch.float64), "sum")
         value = collectives.reduce(trainer, torch.tensor([float(loss.detach())], dtype=torch.float64), "sum")
         if self._due(trainer, "on_train_batch_end", "after"):
             self._raise()
