@@ -228,3 +228,24 @@ def test_a_check_failing_inside_a_block_of_collectives_stops_the_run_instead_of_
     failed = _failed(only_run_dir(tmp_path / "logs"))
     assert [(f["check"], f["rank"], f["step"], f["details"]["in_region"]) for f in failed] == [("a", 1, 3, True)]
     assert "the run stops here" in failed[0]["message"] and "KeyError 'grad_norm'" in failed[0]["message"]
+
+
+def test_grad_histograms_leave_non_finite_values_out(tmp_path):
+    """TensorBoard refuses a histogram of NaN/Inf (it raised on rank 0 only, inside ZeRO's gathers): the finite
+    values are written, a tensor with none is skipped."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from dsdebug.callbacks.grad_monitor import GradMonitor
+
+    check = GradMonitor()
+    check._factor = 1.0
+    tb = TensorBoardLogger(tmp_path)
+    trainer = SimpleNamespace(loggers=[tb], global_step=1)
+    with pytest.raises(ValueError, match="histogram is empty"):  # what the check met before it filtered
+        tb.experiment.add_histogram("raw", torch.full((3,), float("nan")), 0)
+    check._histogram(trainer, "w", torch.tensor([float("nan"), 1.0, 2.0, float("inf")]))
+    check._histogram(trainer, "all_nan", torch.full((3,), float("nan")))
+    tb.experiment.flush()
+    assert list(Path(tb.log_dir).glob("events.out.tfevents.*"))
