@@ -6,6 +6,7 @@ the prior of loss_spike and outcome_monitor). Re-exported from grad_monitor, whe
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -87,3 +88,28 @@ def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:
     out = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     size = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
     return int(size or getattr(getattr(trainer, "datamodule", None), "vocab_size", 0) or 0) or None
+
+
+def sumsq_per_tensor(tensors: list[torch.Tensor | None], scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Per tensor, the sum of squares of tensor / ``scale`` (fp16: the loss scale gradients carry; 0 for a
+    missing or empty one), float64, where the tensors live: one fused pass (fp32 accumulation), no host read
+    and no host-to-device copy in the common case (a missing tensor's index is cached per device)."""
+    present = [i for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
+    if not present:
+        return torch.zeros(len(tensors), dtype=torch.float64)
+    device = tensors[present[0]].device
+    norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
+    scale = scale.to(device) if isinstance(scale, torch.Tensor) else scale
+    sq = (torch.stack(norms).double() / scale) ** 2
+    if len(present) == len(tensors):
+        return sq
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    out[on_device(tuple(present), device)] = sq
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once (a host-to-device copy waits for the device's stream:
+    a per-step sync otherwise). Never write to it."""
+    return torch.tensor(values, dtype=torch.long, device=device)

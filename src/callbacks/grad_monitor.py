@@ -15,8 +15,8 @@ from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number, optional
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
-                                            local_param)
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
+                                            local_grad, local_param, sumsq_per_tensor)
 from dsdebug.callbacks.loss_scale import OverflowJudge, read_scaler
 
 __all__ = ["GradMonitor"]
@@ -230,14 +230,7 @@ class GradMonitor(DebugCallback):
 
     def _sumsq(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """Per-parameter sums of squares of the unscaled gradients, where they live (no host read)."""
-        present = [i for i, g in enumerate(grads) if g is not None and g.numel() > 0]
-        device = grads[present[0]].device if present else torch.device("cpu")
-        out = torch.zeros(len(grads), dtype=torch.float64, device=device)
-        if present:  # one fused pass over all gradients (fp32 accumulation)
-            norms = torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32)
-            factor = self._factor.to(device) if isinstance(self._factor, torch.Tensor) else self._factor
-            out[torch.tensor(present, device=device)] = (torch.stack(norms).double() / factor) ** 2  # unscaled (fp16)
-        return out
+        return sumsq_per_tensor(grads, self._factor)  # unscaled (fp16)
 
     def _spike_limit(self) -> float:
         return max(self.spike_min_ratio * self._ema_mean, self._ema_mean + self.spike_factor * math.sqrt(self._ema_var))

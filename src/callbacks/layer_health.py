@@ -16,8 +16,8 @@ import torch
 from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, local_grad,
-                                        local_param)
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
+                                            local_grad, local_param, on_device, sumsq_per_tensor)
 from dsdebug.callbacks.loss_scale import read_scaler
 
 __all__ = ["LayerHealth"]
@@ -150,7 +150,7 @@ class LayerHealth(DebugCallback):
         """Per-parameter layer names and sizes -> the layer table and fresh detection state."""
         self._layers = list(dict.fromkeys(param_layers))
         index = {layer: i for i, layer in enumerate(self._layers)}
-        self._layer_idx = torch.tensor([index[n] for n in param_layers], dtype=torch.long)
+        self._layer_idx = tuple(index[n] for n in param_layers)  # on a device: grad_access.on_device
         self._numel = self.per_layer(torch.tensor(param_numel, dtype=torch.float64))
         self._numel_list = self._numel.tolist()
         n = len(self._layers)
@@ -165,7 +165,7 @@ class LayerHealth(DebugCallback):
     def per_layer(self, per_param: torch.Tensor) -> torch.Tensor:
         """Per-parameter values summed per layer, where they live."""
         out = torch.zeros(len(self._layers), dtype=torch.float64, device=per_param.device)
-        return out.index_add_(0, self._layer_idx.to(per_param.device), per_param.double())
+        return out.index_add_(0, on_device(self._layer_idx, per_param.device), per_param.double())
 
     # ---- measure: local, every rank (no collective) ---------------------------------------
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -396,14 +396,4 @@ def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).narrow(0, 0, max(0, min(part, p.ds_numel - start, t.numel())))
 
 
-def _sumsq(tensors: list[torch.Tensor | None], scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Per tensor, the sum of squares of tensor / ``scale`` (fp16: the loss scale the gradients carry), where
-    the tensors live (no host read)."""
-    present = [i for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
-    device = tensors[present[0]].device if present else torch.device("cpu")
-    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
-    if present:  # one fused pass (fp32 accumulation)
-        norms = torch._foreach_norm([tensors[i] for i in present], 2, dtype=torch.float32)
-        scale = scale.to(device) if isinstance(scale, torch.Tensor) else scale
-        out[torch.tensor(present, device=device)] = (torch.stack(norms).double() / scale) ** 2
-    return out
+_sumsq = sumsq_per_tensor  # grad_access.py: per tensor, on the device

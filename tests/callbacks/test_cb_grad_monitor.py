@@ -145,3 +145,19 @@ def test_early_spike_rule_judges_before_the_ema_is_warm():
     assert not GradMonitor(warmup_steps=50, early_factor=0)._early_spike(40.0)
     gm._healthy_seen = 50  # warm: the EMA rule takes over
     assert not gm._early_spike(40.0)
+
+
+def test_sums_of_squares_per_tensor_make_no_copy_per_step():
+    """grad_monitor and layer_health sum each gradient's squares on its device; the index of the present ones
+    is copied to the device once (a host-to-device copy waits for the GPU's stream: a sync per step before)."""
+    from dsdebug.callbacks.grad_access import on_device, sumsq_per_tensor
+
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([1.0])
+    assert sumsq_per_tensor([a, b]).tolist() == [25.0, 1.0]
+    assert sumsq_per_tensor([a, None, torch.empty(0), b], 2.0).tolist() == [6.25, 0.0, 0.0, 0.25]
+    assert sumsq_per_tensor([None, None]).tolist() == [0.0, 0.0]
+    before = on_device.cache_info()
+    for _ in range(5):  # five steps, the same parameters missing: no new index tensor
+        sumsq_per_tensor([a, None, b])
+    after = on_device.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 4
