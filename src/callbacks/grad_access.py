@@ -71,11 +71,20 @@ def step_loss(pl_module: Any, outputs: Any) -> Any:
     """This step's training loss as a tensor where it lives (no host read): the LM module's logged
     ``train/loss`` (``last_train_loss``), else what ``training_step`` returned (a plain Lightning module); None
     when neither is there. Not ``trainer.callback_metrics``: reading it makes Lightning copy every
-    progress-bar metric to the host (a device sync on a GPU) at each access."""
+    progress-bar metric to the host (a device sync on a GPU) at each access. Under automatic optimization
+    Lightning hands the callbacks the returned loss divided by ``accumulate_grad_batches`` (what backward
+    took): multiplied back, so a loss under accumulation reads as the same loss without."""
     loss = getattr(pl_module, "last_train_loss", None)
-    if loss is None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    return loss.detach() if hasattr(loss, "detach") else None
+    if loss is not None:
+        return loss.detach() if hasattr(loss, "detach") else None
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not hasattr(loss, "detach"):
+        return None
+    trainer = getattr(pl_module, "_trainer", None)
+    k = getattr(trainer, "accumulate_grad_batches", 1) or 1
+    if k > 1 and getattr(pl_module, "automatic_optimization", True):
+        return loss.detach() * k
+    return loss.detach()
 
 
 def untrained_vocab(trainer: Any, pl_module: Any) -> int | None:

@@ -254,7 +254,8 @@ def _call(check: Any, fn: Callable, hook: str, args: tuple, kwargs: dict) -> Any
             return default
         check.__dict__["_isolation_running"] = True
         try:
-            with check_sync.running(sync, -1 if check_id is None else check_id):
+            # a check past the side channel's capacity has no id: it agrees with nobody (alike on every rank)
+            with check_sync.running(sync if check_id is not None else None, -1 if check_id is None else check_id):
                 return fn(check, *args, **kwargs)
         except check_sync.CheckAborted:
             _switch_off(check, "failed on another rank", trainer)

@@ -118,6 +118,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         raise RuntimeError("train(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
     set_strict((cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
+    try:
+        return _train(cfg, started)
+    finally:
+        set_strict(None)  # this run's setting ends with it (a later fit in this process: DSDEBUG_STRICT decides)
+
+
+def _train(cfg: DictConfig, started: float) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s

@@ -118,9 +118,13 @@ def test_strict_mode_re_raises_and_the_config_wins_over_the_environment(tmp_path
         train_in_process(BASE + _raiser(step=2), tmp_path / "strict", shared_cache)
     out = train_in_process(BASE + _raiser(step=2) + ["debug.strict=false"], tmp_path / "lenient", shared_cache)
     assert out["status"] == "completed" and len(_failed(tmp_path / "lenient")) == 1
+    from dsdebug.callbacks import isolation
+
+    assert isolation.strict()  # the run's debug.strict=false ended with it: the environment decides again
     monkeypatch.setenv("DSDEBUG_STRICT", "0")
     with pytest.raises(KeyError, match="grad_norm"):
         train_in_process(BASE + _raiser(step=2) + ["debug.strict=true"], tmp_path / "strict_cfg", shared_cache)
+    assert not isolation.strict()  # also after a run that raised
 
 
 def test_a_user_error_a_check_finds_is_never_isolated(tmp_path, shared_cache, monkeypatch):

@@ -216,3 +216,40 @@ def test_hydra_template_ddp_names_a_planted_nan(tmp_path):
     [wandb_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     alerts = [r.alert for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "alert"]
     assert any(a.title == "dsdebug grad_monitor/nonfinite_grad" and "step 2" in a.text for a in alerts), alerts
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_the_step_loss_of_a_plain_module_is_what_training_step_returned(accumulate, tmp_path):
+    """A plain LightningModule (no last_train_loss): the checks read outputs["loss"], which Lightning divides by
+    accumulate_grad_batches before the callbacks see it; step_loss multiplies it back."""
+    import lightning as L
+    import torch
+
+    from dsdebug.callbacks.grad_access import step_loss
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.returned: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.lin(batch[0]).pow(2).mean() + 1.0
+            self.returned.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Read(L.Callback):
+        seen: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(float(step_loss(pl_module, outputs)))
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=2)
+    module, read = Plain(), Read()
+    L.Trainer(max_epochs=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[read],
+              default_root_dir=tmp_path).fit(module, data)
+    assert len(read.seen) == 6 and read.seen == pytest.approx(module.returned, rel=1e-6)
