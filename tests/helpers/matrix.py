@@ -42,13 +42,16 @@ BASE = SMOKE + TINY_NET + ["data.seq_len=32", "data.batch_size=4", "trainer.max_
 CASES: dict[str, tuple[list[str], str | None]] = {
     "lr_3": (["optim.lr=3.0"], "advisor/lr_too_high"),
     "lr_1e3": (["optim.lr=1e3"], "advisor/lr_too_high"),
-    "nan_loss_step0": ([_PLANT + "LossAt", "+callbacks.plant.kind='nan'", "+callbacks.plant.step=0"], "nonfinite"),
-    "inf_loss_step2": ([_PLANT + "LossAt", "+callbacks.plant.kind='inf'", "+callbacks.plant.step=2"], "nonfinite"),
+    "nan_loss_step0": ([_PLANT + "LossAt", "+callbacks.plant.kind='nan'", "+callbacks.plant.step=0",
+                        "+callbacks.plant.through=times"], "nonfinite"),  # loss and gradients NaN
+    "inf_loss_step2": ([_PLANT + "LossAt", "+callbacks.plant.kind='inf'", "+callbacks.plant.step=2"],
+                       "nonfinite"),  # the loss alone: its gradients stay finite
     "nan_in_one_ranks_batch": ([_PLANT + "NaNInBatch", "+callbacks.plant.step=1", "+callbacks.plant.rank={last}"],
                                "nonfinite"),
     "all_frozen": ([_PLANT + "FreezeAll"], None),
-    "all_labels_ignored": ([_PLANT + "AllLabelsIgnored"], None),
-    "zero_loss": ([_PLANT + "LossAt", "+callbacks.plant.kind=zero", "+callbacks.plant.every=true"], None),
+    "all_labels_ignored": ([_PLANT + "AllLabelsIgnored"], "data_inspector/labels_all_ignored"),
+    "zero_loss": ([_PLANT + "LossAt", "+callbacks.plant.kind=zero", "+callbacks.plant.every=true"],
+                  "outcome_monitor/loss_implausibly_low"),
     "batch_of_one": (["data.batch_size=1"], None),
     "seq_len_2": (["data.seq_len=2"], None),
     "no_validation": (["trainer.limit_val_batches=0"], None),
@@ -101,7 +104,8 @@ def _run_cell(args: list[str], run_dir: Path, cache: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         metrics = train_in_process(args, run_dir, cache)
-        out.update(status=metrics.get("status"), global_step=metrics.get("global_step"))
+        out.update(status=metrics.get("status"), global_step=metrics.get("global_step"),
+                   resumed_from=metrics.get("resumed_from"))
     except ConfigError as e:
         out.update(status="bad_input", error=str(e))
     except BaseException as e:  # noqa: BLE001 - recorded: the test names the cell and the exception

@@ -4,9 +4,10 @@ Each is a plain Lightning callback on the project's LightningModule (src/models/
 config: ``+callbacks.plant._target_=tests.planted.degenerate.LossAt +callbacks.plant.kind=nan
 +callbacks.plant.step=0``.
 
-- ``LossAt(kind, step, rank=None, every=False)``: the training loss of ``step`` (from ``step`` on with
-  ``every``) on ``rank`` (None: every rank) is NaN, +Inf, or exactly 0 (``zero``: ``loss * 0``, so every
-  gradient is 0 as well). Wraps ``_losses``, which the training step and nan_triage's rerun both call.
+- ``LossAt(kind, step, rank=None, every=False, through="add")``: the training loss of ``step`` (from ``step``
+  on with ``every``) on ``rank`` (None: every rank) is NaN, +Inf, or exactly 0 (``zero``: ``loss * 0``, so every
+  gradient is 0 as well); NaN/Inf added (``add``: the gradients stay finite, as for a non-finite term that
+  does not depend on the weights) or multiplied in (``times``: every gradient non-finite too). Wraps ``_losses``, which the training step and nan_triage's rerun both call.
 - ``NaNInBatch(step, rank)``: the input embeddings of one rank's batch are NaN at ``step`` (a corrupt
   float feature on one rank only; token ids themselves cannot hold a NaN).
 - ``AllLabelsIgnored``: every label of every training batch is -100 (nothing to learn from: the mean over
@@ -24,9 +25,11 @@ from lightning.pytorch import Callback
 
 
 class LossAt(Callback):
-    def __init__(self, kind: str, step: int = 0, rank: int | None = None, every: bool = False) -> None:
+    def __init__(self, kind: str, step: int = 0, rank: int | None = None, every: bool = False,
+                 through: str = "add") -> None:
         assert kind in ("nan", "inf", "zero"), kind  # quote nan/inf on the command line: 'nan' (else a float)
-        self.kind, self.step, self.rank, self.every = kind, int(step), rank, bool(every)
+        assert through in ("add", "times"), through
+        self.kind, self.step, self.rank, self.every, self.through = kind, int(step), rank, bool(every), through
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         losses = pl_module._losses
@@ -39,7 +42,8 @@ class LossAt(Callback):
                 if self.kind == "zero":
                     loss = loss * 0.0
                 else:
-                    loss = loss + float("nan" if self.kind == "nan" else "inf")
+                    bad = float("nan" if self.kind == "nan" else "inf")
+                    loss = loss * bad if self.through == "times" else loss + bad  # times: the gradients too
             return loss, moe
 
         pl_module._losses = planted

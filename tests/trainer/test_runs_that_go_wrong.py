@@ -87,6 +87,11 @@ def _judge(results: dict, cell: dict, world: int) -> None:
     loud = [tuple(x) for x in record["loud"]]
     assert not [x for x in loud if x[1] == "check_failed"], f"{name}: {loud}"
     assert not record["report_warnings"], f"{name}: the report's rules or sections failed: {record['report_warnings']}"
+    if cell.get("resume"):  # it did resume: from the first run's checkpoint, to the resumed run's last step
+        assert str(record.get("resumed_from") or "").endswith(".ckpt"), f"{name}: not resumed: {record}"
+        first = results.get(cell_id(cell["case"], cell["preset"], cell["strategy"]))
+        assert record["global_step"] > first["global_step"], \
+            f"{name}: stopped at step {record['global_step']}, the first run at {first['global_step']}"
     if cell["preset"] == "none":  # no check: nothing to say about a run that trained
         return
     assert record["findings"] > 0, f"{name}: no findings written"
