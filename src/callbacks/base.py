@@ -207,6 +207,13 @@ class DebugCallback(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Nothing of its own; the guard closes the checks' side channel after the last check's teardown."""
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """The run ends with an exception: the steps still queued for a batched read judged first
+        (``read_queued``), on one process only -- with several, the reads are collectives and the other ranks
+        may be anywhere (or dead)."""
+        if getattr(trainer, "world_size", 1) == 1:
+            self.read_queued(trainer)
+
     def release(self, trainer: Any) -> None:
         """Undo what this check put on the process and the user's model (threads, watchdogs, module and
         autograd hooks, logging handlers, torch flags, environment variables), as its end-of-run hooks do.

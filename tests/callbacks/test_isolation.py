@@ -253,3 +253,16 @@ def test_grad_histograms_leave_non_finite_values_out(tmp_path):
     check._histogram(trainer, "all_nan", torch.full((3,), float("nan")))
     tb.experiment.flush()
     assert list(Path(tb.log_dir).glob("events.out.tfevents.*"))
+
+
+def test_steps_queued_for_a_batched_read_are_judged_when_the_run_fails(tmp_path, shared_cache):
+    """loss_spike reads its queue every 10 steps: an Inf loss at step 2 and the user's code failing at step 5
+    must still leave the loss spike's finding (the steps queued are judged in on_exception, one process)."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="planted: the user's code failed"):
+        train_in_process(BASE + ["+callbacks.plant._target_=tests.planted.degenerate.LossAt",
+                                 "+callbacks.plant.kind='inf'", "+callbacks.plant.step=2",
+                                 "+callbacks.crash._target_=tests.planted.isolation.CrashAt", "+callbacks.crash.step=5"],
+                         run_dir, shared_cache)
+    spikes = [f for f in read_findings(run_dir, "loss_spike") if f["severity"] in ("warning", "error")]
+    assert [f["step"] for f in spikes] == [2], spikes

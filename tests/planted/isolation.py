@@ -143,3 +143,14 @@ def left_behind(pl_module: Any) -> dict[str, Any]:
         "model_hooks": hooks,
         "moe_observers": [fn.where for fn in getattr(moe, "listeners", ()) if off(fn)],
     }
+
+
+class CrashAt(Callback):
+    """Not a check: the run itself fails at the end of ``step``'s batch (an error in the user's code)."""
+
+    def __init__(self, step: int = 5) -> None:
+        self.step = int(step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("planted: the user's code failed")
