@@ -13,7 +13,8 @@ A failure posts a notice there without waiting; the other ranks meet it at their
 that check (or of any check, or the close at the end of the fit) and switch the check off before it, so
 no rank is left inside a collective the failed rank will never join. Inside a block of collectives
 agreed once (``collective_region``: ZeRO-3 gathers, a rerun of the model) no notice can reach a rank that
-is already in it: a failure there is reported (``in_region`` in its details) and ends the run.
+is already in it: a failure there is reported (``in_region`` in its details) and ends the run; so is one
+inside ``changing_training_state`` (a rollback's load: a half-changed model must not go on training).
 
 Let through, never isolated: user errors (``ConfigError``: a bad config value a check finds is the
 user's to fix, one line, exit 2), ``StoppedByCheck``, Lightning's clean stop (``_TunerExitException``,
@@ -34,7 +35,7 @@ import logging
 import os
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dsdebug.distributed import check_sync
 from dsdebug.errors import ConfigError, PreemptedAtStartup, StoppedByCheck
@@ -182,10 +183,33 @@ def in_region(exc: BaseException) -> bool:
     return bool(getattr(exc, "dsdebug_in_region", False))
 
 
+_CHANGING = "it failed while changing what trains (the weights or the optimizer may be half changed)"
+
+
+@contextlib.contextmanager
+def changing_training_state() -> Iterator[None]:
+    """A block of a check that changes what trains (a rollback loading weights and optimizer state): an
+    exception in it cannot be isolated -- switched off, the check would leave a half-loaded model training,
+    on some ranks only -- so it is reported and ends the run, as inside a block of collectives."""
+    try:
+        yield
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            exc.dsdebug_fatal = _CHANGING  # type: ignore[attr-defined]
+        raise
+
+
+def fatal_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` must end the run rather than switch its check off; None: it can be isolated."""
+    if in_region(exc):
+        return "it failed inside a block of collectives the other ranks may be waiting in"
+    return getattr(exc, "dsdebug_fatal", None)
+
+
 def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
     """Report ``check_failed`` (this rank) and switch the check off; tell the other ranks (async). Raised
     inside a block of collectives (``in_region``): reported, and the caller re-raises (the run stops)."""
-    fatal = in_region(exc)
+    fatal = fatal_reason(exc)
     if getattr(exc, "dsdebug_reported", False):  # a module hook's failure, met again by the hook around it
         return
     rank = getattr(trainer, "global_rank", None)
@@ -209,10 +233,9 @@ def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
             check=check.name, severity="error", code="check_failed",
             message=f"a check failed: {check.name}, {what} in {hook} {where}"
                     + (f" on rank {rank}" if rank is not None else "")
-                    + ("; it failed inside a block of collectives the other ranks may be waiting in, so the run "
-                       "stops here (switching the check off would leave them hanging)" if fatal else
+                    + (f"; {fatal}, so the run stops here (switching the check off could not undo that)" if fatal else
                        "; it was switched off for the rest of the run (on every rank), which goes on"),
-            advice=("this is a bug in the check (traceback in this finding's details.traceback), please report it; "
+            advice=("details.traceback says what failed (a bug in the check: please report it); "
                     f"~callbacks.{check.name} removes the check, and the run can resume from its last checkpoint"
                     if fatal else
                     "the run itself is unaffected, only this check's judgement is missing from here on: this is a "
@@ -220,7 +243,7 @@ def _fail(check: Any, trainer: Any, hook: str, exc: BaseException) -> None:
                     f"debug.strict=true re-raises instead, ~callbacks.{check.name} removes the check"),
             step=step, rank=rank,
             details={"hook": hook, "exception": type(exc).__name__, "error": str(exc)[:2000],
-                     "traceback": tail, "in_region": fatal},
+                     "traceback": tail, "in_region": in_region(exc), "fatal": fatal},
         ))
         with contextlib.suppress(Exception):
             exc.dsdebug_reported = True  # type: ignore[attr-defined]
@@ -268,7 +291,7 @@ def _call(check: Any, fn: Callable, hook: str, args: tuple, kwargs: dict) -> Any
             if isinstance(exc, _LET_THROUGH) or getattr(exc, "dsdebug_collective", False) or strict():
                 raise
             _fail(check, trainer, hook, exc)
-            if in_region(exc):
+            if fatal_reason(exc):
                 raise
             return default
         finally:
@@ -336,7 +359,7 @@ class _Guarded:
                 raise
             ref = check.__dict__.get("_isolation_trainer")
             _fail(check, ref() if ref is not None else None, self.where, exc)
-            if in_region(exc):
+            if fatal_reason(exc):
                 raise
             return None
 

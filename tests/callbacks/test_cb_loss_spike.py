@@ -222,3 +222,23 @@ def test_two_ranks_take_the_same_decision(tmp_path, shared_cache):
     for rank in (0, 1):  # every rank dropped the update (lm_module's log line on each rank)
         log = (run_dir / ("train.log" if rank == 0 else "rank1.log"))
         assert "step 11: dropping this optimizer update" in Path(log).read_text(), rank
+
+
+def test_a_rollback_that_fails_while_loading_ends_the_run(tmp_path, shared_cache, monkeypatch):
+    """Isolation would switch loss_spike off and let a half-loaded model train on: a failure inside the
+    rollback's load is reported (fatal: 'changing what trains') and ends the run instead."""
+    from dsdebug.checkpoint import rollback as rb
+
+    def broken(*args, **kwargs):
+        raise OSError("planted: the checkpoint could not be read")
+
+    monkeypatch.setattr(rb, "load_weights_and_optimizer", broken)
+    monkeypatch.setenv("DSDEBUG_STRICT", "0")  # what a user gets
+    run_dir = tmp_path / "run"
+    with pytest.raises(OSError, match="planted"):
+        train_in_process(RUN + ["trainer.max_steps=16", "+callbacks.spike.steps=[12]",
+                                "callbacks.loss_spike.policy=rollback",
+                                "callbacks.model_checkpoint.every_n_train_steps=5"], run_dir, shared_cache)
+    failed = [f for f in read_findings(run_dir, "loss_spike") if f["code"] == "check_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 13, failed  # at the end of step 12's batch
+    assert "changing what trains" in failed[0]["details"]["fatal"] and "the run stops here" in failed[0]["message"]

@@ -15,6 +15,7 @@ import torch
 from dsdebug.checkpoint import rollback as rb
 from dsdebug.config.args import boolean, integer, number, one_of, optional
 from dsdebug.errors import ConfigError
+from dsdebug.callbacks import isolation
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, grad_source, local_grad, untrained_vocab
 from dsdebug.callbacks.loss_scale import read_scaler
@@ -297,7 +298,8 @@ class LossSpike(DebugCallback):
                        step=step)
             return
         path, ckpt_step = found
-        rb.load_weights_and_optimizer(trainer, pl_module, path)  # every rank
+        with isolation.changing_training_state():  # a failure here ends the run: no half-loaded model trains on
+            rb.load_weights_and_optimizer(trainer, pl_module, path)  # every rank
         self.detector.rollback_to(ckpt_step)
         self._rollbacks += 1
         ranges = rb.position_ranges(list(self._seen), ckpt_step, step)
