@@ -107,7 +107,8 @@ class _Session:
                   if isinstance(cb, DebugCallback) and type(cb).isolated]
         self.ids = {id(cb): i for i, cb in enumerate(checks[:check_sync.CAPACITY])}
         self.last = id(checks[-1]) if checks else None
-        self.sync = check_sync.CheckSync.create() if self.ids else None  # COLLECTIVE (default group), every rank
+        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)  # the run's (comm_debug may set it)
+        self.sync = check_sync.CheckSync.create(timeout) if self.ids else None  # COLLECTIVE (default group)
         self.closed = False
 
     def close(self) -> set[int]:

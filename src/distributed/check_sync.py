@@ -76,17 +76,25 @@ class CheckSync:
         self._in_flight: list[tuple[Any, torch.Tensor]] = []  # notices posted, not yet known complete
 
     @classmethod
-    def create(cls) -> CheckSync | None:
+    def create(cls, timeout: timedelta | None = None) -> CheckSync | None:
         """A side group over every rank, or None on one process. COLLECTIVE (default group): every rank,
-        same point (the first check's ``setup``)."""
+        same point (the first check's ``setup``). ``timeout``: the run's process-group timeout (a header
+        waits as long as the run's collectives do); None: the backend's default. A side group that cannot be
+        made (no gloo in this build) leaves the checks without agreement, with a warning: the run goes on."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
             return None
         from torch.distributed.distributed_c10d import _get_default_timeout, get_backend
 
-        timeout = _get_default_timeout(get_backend())  # a header waits as long as the run's collectives do
-        group = dist.new_group(backend="gloo", timeout=timeout if isinstance(timeout, timedelta) else None)
+        if not isinstance(timeout, timedelta):
+            timeout = _get_default_timeout(get_backend())
+        try:
+            group = dist.new_group(backend="gloo", timeout=timeout if isinstance(timeout, timedelta) else None)
+        except Exception as e:  # noqa: BLE001 - alike on every rank (the build's backends)
+            log.warning("fault isolation: no side channel for the checks (%s: %s): a check that fails on one rank "
+                        "only may leave the others waiting in its next collective", type(e).__name__, e)
+            return None
         return cls(group, dist.get_world_size(), dist.get_rank())
 
     # ---- the header -------------------------------------------------------------------------

@@ -174,3 +174,17 @@ def test_ranks_at_different_checks_with_no_failure_are_named_as_diverged(played)
 
 def test_one_process_has_no_side_channel():
     assert CheckSync.create() is None  # no process group here
+
+
+def test_no_side_group_leaves_the_checks_without_agreement_and_says_so(monkeypatch, caplog):
+    """A build whose gloo cannot make the side group: no side channel (the run goes on), one warning."""
+    def no_gloo(*args, **kwargs):
+        raise RuntimeError("planted: gloo is not available in this build")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "new_group", no_gloo)
+    monkeypatch.setattr("torch.distributed.distributed_c10d.get_backend", lambda *a, **k: "gloo")
+    with caplog.at_level("WARNING", logger="dsdebug.distributed.check_sync"):
+        assert CheckSync.create() is None
+    assert "no side channel for the checks" in caplog.text and "planted" in caplog.text
