@@ -53,8 +53,8 @@ import raw_loop  # noqa: E402
 from framework_vs_raw_report import (LOG_EVERY, TARGET, block_ms, mean_step_ms, parse_history,  # noqa: E402,F401
                                      results_md, round_order, side_summary, summarize)
 from supervise import BenchError, run_supervised  # noqa: E402,F401
-from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, DS_CONFIG, EPS, GRAD_CLIP, LR, MIN_LR_RATIO, MODEL,  # noqa: E402,F401
-                      SEED, SEQ_LEN, VOCAB, WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
+from raw_loop import (AUX_COEF, BATCH_SIZE, BETAS, CROSS_ENTROPY, DS_CONFIG, EPS, FUSED, GRAD_CLIP, LR,  # noqa: E402,F401
+                      MIN_LR_RATIO, MODEL, SEED, SEQ_LEN, VOCAB, WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 REPO = harness.REPO
 # Framework variants (--variants): train.py as a user runs it, and ablations that each switch one

@@ -19,10 +19,12 @@ each recorded as passed / failed / error / skipped without stopping the others:
    a planted NaN (``tests.planted.nan.NaNOutput``) that nan_triage must name with its module; the healthy
    fp16 steps (before each plant, and after the NaN, whose update the scaler skips) without a warning or
    error finding: the checks judge unscaled gradients and leave the overflows the scaler absorbs to it.
-4. ``throughput``: a ~0.6B-parameter DeepSeek-V3 (``BIG_MODEL``), bf16, seq 2048, ZeRO-2: train.py
-   ``debug=none`` vs ``gpu_check_raw.py`` (``deepspeed.initialize`` + a for-loop) in the same command:
-   tokens/s, MFU against the GPU's dense bf16 peak (``dsdebug.models.flops.GPU_PEAK_TFLOPS``, by device
-   name; the peak used is recorded), framework/raw step-time ratio.
+4. ``throughput``: a ~0.6B-parameter DeepSeek-V3 (``BIG_MODEL``), bf16, seq 2048, ZeRO-2, with the model's
+   fast paths on (the defaults and ``model.compile=true``: run ``fast``): train.py ``debug=none`` vs
+   ``gpu_check_raw.py --compile`` (``deepspeed.initialize`` + a for-loop, the same model code) in the same
+   command: tokens/s, MFU against the GPU's dense bf16 peak (``dsdebug.models.flops.GPU_PEAK_TFLOPS``, by
+   device name; the peak used is recorded), framework/raw step-time ratio; the overhead step's ``none`` run
+   (the defaults, no compile), when it ran, as ``framework_eager``.
 5. ``memory``: CUDA peak (framework and raw) and the memory check's model-state bytes vs the ZeRO formula
    (the big model with ``debug=light``; the tiny ZeRO-2/3 runs of step 2 too).
 6. ``overhead``: step time of ``debug=light`` / ``debug=full`` over ``debug=none`` (the big model, same
@@ -183,10 +185,13 @@ def fp16_runs(s: Settings) -> dict[str, list[str]]:
 
 
 TIMED = ("none", "light", "full")  # the big model's train.py runs (steps 4-6), one per debug preset
+FAST = "fast"  # the throughput step's train.py run: debug=none and every fast path of the model on (docs/gpu.md)
+FAST_OVERRIDES = ["debug=none", "model.compile=true"]  # the other fast paths are the defaults
 
 
 def timed_runs(s: Settings) -> dict[str, list[str]]:
-    return {name: [*s.big_overrides(), f"debug={name}"] for name in TIMED}
+    return {**{name: [*s.big_overrides(), f"debug={name}"] for name in TIMED},
+            FAST: [*s.big_overrides(), *FAST_OVERRIDES]}
 
 
 def train_runs(s: Settings) -> dict[str, list[str]]:
@@ -288,7 +293,8 @@ def raw_run(s: Settings, work: Path, timeout: float) -> dict:
                                                                    "max_position_embeddings": s.seq}),
            "--batch-size", str(s.batch), "--seq-len", str(s.seq), "--vocab-size", str(s.vocab),
            "--num-tokens", str(s.num_tokens), "--precision", s.precision, "--total-steps", str(s.warmup + s.timed),
-           "--log-every", str(s.log_every), "--cache-dir", str(work / "cache" / "raw"), "--result", str(result)]
+           "--log-every", str(s.log_every), "--cache-dir", str(work / "cache" / "raw"), "--result", str(result),
+           "--compile"]  # as FAST's model.compile=true
     run = run_command("raw", cmd, work, timeout, {} if s.cuda else {"DS_ACCELERATOR": "cpu"})
     run["log_warnings"] = log_warnings(Path(run["log"]))
     if result.is_file():
@@ -324,8 +330,8 @@ def judge_throughput(s: Settings, facts: dict, device: str | None, runs: dict[st
     out: dict[str, Any] = {"model": facts, "peak_tflops": peak and peak / 1e12, "peak_source": source,
                            "warmup": s.warmup, "timed_steps": s.timed}
     problems = []
-    for side in ("raw", "none"):
-        run = runs.get(side)
+    for side, name in (("raw", "raw"), ("framework", FAST), ("framework_eager", "none")):
+        run = runs.get(name)
         if run is None:
             continue
         ms = step_ms(s, run)
@@ -334,9 +340,9 @@ def judge_throughput(s: Settings, facts: dict, device: str | None, runs: dict[st
             tps = facts["tokens_per_step"] / (ms / 1000)
             entry["tokens_per_s"] = tps
             entry["mfu"] = tps * facts["flops_per_token"] / peak if peak else None
-        else:
-            problems.append(f"{side}: no step time ({run_line(run)})")
-        out["framework" if side == "none" else "raw"] = entry
+        elif side != "framework_eager":  # the overhead step's run: judged there
+            problems.append(f"{name}: no step time ({run_line(run)})")
+        out[side] = entry
     fw, raw = out.get("framework", {}).get("step_ms"), out.get("raw", {}).get("step_ms")
     out["framework_over_raw"] = fw / raw if fw and raw else None
     light = runs.get("light")
@@ -455,7 +461,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     # phase B: timed runs one at a time (the big model)
     timed = []
     if "throughput" in only:
-        timed += ["raw", "none"]
+        timed += ["raw", FAST]
     if "memory" in only:
         timed += ["light"]
     if "overhead" in only:

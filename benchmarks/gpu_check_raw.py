@@ -2,8 +2,10 @@
 
 Run by torchrun (one process per GPU; gpu_check.py starts one): the same model (``build_deepseek_v3`` with
 the kwargs given), the same data (``SyntheticCorpus`` through ``LMDataModule``, the framework's data=synthetic),
-the same loss (CE + AUX_COEF x MoE balance loss, the model-side helpers), the same optimizer and schedule
-(``raw_loop``'s constants: the framework's defaults) and Lightning's ZeRO-2 dict, in bf16 (or fp32), on
+the same loss (CE + AUX_COEF x MoE balance loss, the model-side helpers: ``lm_loss.next_token_loss`` as
+``model.cross_entropy`` runs it), the same optimizer and schedule (``raw_loop``'s constants: the framework's
+defaults, torch's fused AdamW among them), ``--compile`` as ``model.compile=true`` (``compile_blocks``: the
+same model code) and Lightning's ZeRO-2 dict, in bf16 (or fp32), on
 CUDA with NCCL (or on CPU with gloo for ``gpu_check.py --dry-run``). Like train.py it reads the loss every
 ``--log-every`` steps (one sync) and stamps ``time.time()`` right after that read: the same points
 ``framework_vs_raw_report.parse_history`` reads from train.py's history.jsonl.
@@ -23,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (puts the repo on sys.path)
-from raw_loop import AUX_COEF, BETAS, EPS, GRAD_CLIP, LR, MIN_LR_RATIO, SEED, WARMUP_RATIO, WEIGHT_DECAY, ZERO2  # noqa: E402
+from raw_loop import (AUX_COEF, BETAS, CROSS_ENTROPY, EPS, FUSED, GRAD_CLIP, LR, MIN_LR_RATIO, SEED,  # noqa: E402
+                      WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--total-steps", type=int, required=True)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder block (model.compile=true)")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
@@ -44,12 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
     from dsdebug.data.corpus import SyntheticCorpus
     from dsdebug.data.datamodule import LMDataModule
+    from dsdebug.models.compile_blocks import compile_blocks
     from dsdebug.models.deepseek import build_deepseek_v3
+    from dsdebug.models.lm_loss import next_token_loss
     from dsdebug.models.moe_aux import RouterCapture
     from dsdebug.models.moe_loss import load_balancing_loss
     from dsdebug.models.optim import param_groups, warmup_cosine
@@ -63,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.net(input_ids=input_ids).logits
             aux = load_balancing_loss(self.capture.collect(), self.capture.num_experts, self.capture.top_k)
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                 labels[:, 1:].reshape(-1), ignore_index=-100)
+            ce = next_token_loss(logits, labels, CROSS_ENTROPY)
             return ce + AUX_COEF * aux, ce
 
     cuda = torch.cuda.is_available()
@@ -83,13 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     net = build_deepseek_v3(**json.loads(args.model))
     params = sum(p.numel() for p in net.parameters())
     model = LossModel(net)
+    compile_blocks(net, args.compile)
     data = LMDataModule(SyntheticCorpus(num_tokens=args.num_tokens, seed=SEED), vocab_size=args.vocab_size,
                         seq_len=args.seq_len, batch_size=args.batch_size, seed=SEED, cache_dir=args.cache_dir)
     data.setup("fit")
     sampler = DistributedSampler(data.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     loader = DataLoader(data.train_dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.AdamW(param_groups(net.named_parameters()), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
+                                  weight_decay=WEIGHT_DECAY, fused=FUSED)
     scheduler = warmup_cosine(optimizer, total_steps=args.total_steps, warmup_ratio=WARMUP_RATIO,
                               min_lr_ratio=MIN_LR_RATIO)
     config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         harness.write_json(Path(args.result), {"stamps": stamps, "losses": losses, "world_size": world,
                                                "params": params, "cuda_peak_bytes": peak,
-                                               "precision": args.precision})
+                                               "precision": args.precision, "compile": args.compile})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -52,10 +52,12 @@ def headline(name: str, step: dict) -> str:
             parts.append(f"NaN named with module: {nan.get('named')} ({nan.get('precision')})")
         return "; ".join(parts)
     if name == "throughput":
-        fw, raw = step.get("framework", {}), step.get("raw", {})
+        fw, raw, eager = step.get("framework", {}), step.get("raw", {}), step.get("framework_eager")
         return (f"framework {_num(fw.get('tokens_per_s'))} tok/s (MFU {_pct(fw.get('mfu'))}), raw "
                 f"{_num(raw.get('tokens_per_s'))} tok/s (MFU {_pct(raw.get('mfu'))}), framework/raw "
-                f"{_num(step.get('framework_over_raw'), '{:.3f}')}; peak {_num(step.get('peak_tflops'))} TFLOP/s")
+                f"{_num(step.get('framework_over_raw'), '{:.3f}')} (fast paths on, model.compile=true)"
+                + (f"; without compile {_num(eager.get('tokens_per_s'))} tok/s (MFU {_pct(eager.get('mfu'))})"
+                   if eager else "") + f"; peak {_num(step.get('peak_tflops'))} TFLOP/s")
     if name == "memory":
         light = step.get("light", {})
         return (f"{step.get('kind')}: framework {_gib(light.get('peak_bytes'))}, raw {_gib(step.get('raw_cuda_peak_bytes'))}; "

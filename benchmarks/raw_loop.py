@@ -25,11 +25,12 @@ REPO = harness.REPO
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
 SEED = 42
 BATCH_SIZE, SEQ_LEN, VOCAB = 8, 128, 4096
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
+LR, BETAS, EPS, WEIGHT_DECAY, FUSED = 3e-3, (0.9, 0.95), 1e-8, 0.1, True  # fused: optim.optimizer.fused=auto
+CROSS_ENTROPY = "chunked"  # model.cross_entropy: the loss through dsdebug.models.lm_loss, as the module's
 WARMUP_RATIO, MIN_LR_RATIO, GRAD_CLIP, AUX_COEF = 0.1, 0.1, 1.0, 0.01
 MODEL = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=SEQ_LEN)
+             max_position_embeddings=SEQ_LEN, attn_implementation="sdpa_pad_v")
 # Dumped from a framework run (trainer.strategy.config after setup, strategy=zero2): Lightning's
 # DeepSpeedStrategy(stage=2) defaults. Lightning also passes `activation_checkpointing` (all
 # false) and `aio` (NVMe offload settings): neither does anything here, so they are left out.
@@ -60,12 +61,12 @@ def raw_main(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
     from dsdebug.data.corpus import KJVCorpus
     from dsdebug.data.datamodule import LMDataModule
     from dsdebug.models.deepseek import build_deepseek_v3
+    from dsdebug.models.lm_loss import next_token_loss
     from dsdebug.models.moe_aux import RouterCapture
     from dsdebug.models.moe_loss import load_balancing_loss
     from dsdebug.models.optim import param_groups, warmup_cosine
@@ -81,8 +82,7 @@ def raw_main(args: argparse.Namespace) -> None:
         def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.net(input_ids=batch["input_ids"]).logits
             aux = load_balancing_loss(self.capture.collect(), self.capture.num_experts, self.capture.top_k)
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                 batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+            ce = next_token_loss(logits, batch["labels"], CROSS_ENTROPY)
             return ce + AUX_COEF * aux, ce
 
     if getattr(args, "raw_malloc", "default") == "tuned":  # train.py's malloc_tuning, for a like-for-like run
@@ -103,7 +103,7 @@ def raw_main(args: argparse.Namespace) -> None:
     sampler = DistributedSampler(data.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     loader = DataLoader(data.train_dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
     optimizer = torch.optim.AdamW(param_groups(net.named_parameters()), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
+                                  weight_decay=WEIGHT_DECAY, fused=FUSED)
     scheduler = warmup_cosine(optimizer, total_steps=args.total_steps, warmup_ratio=WARMUP_RATIO,
                               min_lr_ratio=MIN_LR_RATIO)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

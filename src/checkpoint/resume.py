@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 SECTIONS = ("model", "data", "strategy")
 TRAINER_KEYS = ("devices", "num_nodes", "accelerator", "precision", "accumulate_grad_batches")
 LAYOUT = ("strategy.", "trainer.", "data.batch_size")
-NOT_COMPARED = ("data.num_workers", "data.pin_memory", "data.cache_dir")
+# how the same model runs, not which model: a resumed run may switch kernels (src/models/kernel_options.py)
+NOT_COMPARED = ("data.num_workers", "data.pin_memory", "data.cache_dir", "model.compile", "model.cross_entropy",
+                "model.net.attn_implementation")
 WANDB_ID_FILE = "wandb_run_id"
 _ATTEMPT_FILES = ("metrics.json", "crash.json", "comm_debug/hang.flag", "comm_debug/hang.reported")
 

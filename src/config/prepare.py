@@ -27,6 +27,7 @@ second; tests/config/test_validation_imports.py holds that:
 4. ``data.global_batch_size`` -> per-rank ``data.batch_size`` (config/global_batch.py).
 5. ``strategy.config`` (a DeepSpeed JSON) -> the matching Lightning keys (config/ds_config.py).
 6. ``optim.optimizer.lr`` := ``optim.lr`` scaled to the global batch (models/optim.py scaled_lr).
+7. ``optim.optimizer.fused: auto`` := true, false under torch AMP fp16 (models/optim.py resolve_fused).
 
 Changed later, by the layers that own the knowledge (not config's business): ``data.vocab_size``
 once a hub tokenizer is loaded (trainer/entry.py build), the loggers' resume identity
@@ -44,7 +45,7 @@ from dsdebug.config.ds_config import apply_ds_json_to_cfg
 from dsdebug.config.global_batch import apply_global_batch_size, world_size
 from dsdebug.config.tokenizer_check import settle_tokenizer
 from dsdebug.config.validate import fp16_supported, validate_config
-from dsdebug.models.optim import scaled_lr
+from dsdebug.models.optim import resolve_fused, scaled_lr
 
 __all__ = ["prepare", "is_prepared"]
 
@@ -66,6 +67,9 @@ def prepare(cfg: DictConfig) -> DictConfig:
         apply_ds_json_to_cfg(cfg, lambda: fp16_supported(str(cfg.trainer.accelerator)))
         global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size(cfg)
         cfg.optim.optimizer.lr = scaled_lr(float(cfg.optim.lr), global_batch, cfg.optim.get("scale_lr_base_batch_size"))
+        if "fused" in cfg.optim.optimizer:
+            cfg.optim.optimizer.fused = resolve_fused(cfg.optim.optimizer.fused, cfg.trainer.precision,
+                                                      (cfg.get("strategy") or {}).get("_target_"))
     _prepared[id(cfg)] = weakref.ref(cfg)
     return cfg
 

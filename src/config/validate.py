@@ -26,6 +26,7 @@ from dsdebug.distributed.launch_env import check_launcher_matches
 from dsdebug.config.targets import check_targets
 from dsdebug.config.callback_args import check_callback_args
 from dsdebug.models.ckpt_mode import checkpointing_mode
+from dsdebug.models.kernel_options import compile_setting, cross_entropy_mode
 from dsdebug.config.tokenizer_check import check_tokenizer
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -68,6 +69,10 @@ def _is_int(value) -> bool:
 def validate_config(cfg: DictConfig) -> None:
     _check_required(cfg)
     _positive_number(cfg.optim.lr, "optim.lr")
+    fused = (cfg.optim.get("optimizer") or {}).get("fused")
+    if not (fused is None or isinstance(fused, bool) or (isinstance(fused, str) and fused.lower() == "auto")):
+        raise ConfigError(f"optim.optimizer.fused={fused!r} is invalid; valid: auto (true; false under torch AMP fp16), "
+                          "true (torch's fused kernel), false, null (torch's default)")
     if cfg.optim.get("grad_clip") is not None and cfg.optim.grad_clip < 0:
         raise ConfigError(f"optim.grad_clip must be >= 0 or null, got {cfg.optim.grad_clip!r}")
     t = cfg.trainer
@@ -100,6 +105,8 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_data(cfg.data)
     _check_moe_aux_coef(cfg.model)
     checkpointing_mode(cfg.model.get("gradient_checkpointing"))  # a ConfigError naming the key, before torch
+    compile_setting(cfg.model.get("compile"))  # the model's kernel switches, likewise
+    cross_entropy_mode(cfg.model.get("cross_entropy"))
     _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
     check_targets(cfg)

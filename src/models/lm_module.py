@@ -49,11 +49,13 @@ from typing import Any, Callable
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from dsdebug.errors import ConfigError
 from dsdebug.models.document_mask import document_mask
+from dsdebug.models.compile_blocks import compile_blocks
 from dsdebug.models.grad_ckpt import checkpointing_mode, enable_gradient_checkpointing
+from dsdebug.models.kernel_options import cross_entropy_mode
+from dsdebug.models.lm_loss import IGNORE_INDEX, next_token_loss
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
 from dsdebug.models.optim import param_groups
 
@@ -73,6 +75,8 @@ class CausalLMModule(L.LightningModule):
         moe_metrics: bool = True,
         gradient_checkpointing: bool | str = False,
         adapter: Any = None,
+        compile: bool = False,
+        cross_entropy: str = "chunked",
     ) -> None:
         super().__init__()
         self.net = net
@@ -86,6 +90,13 @@ class CausalLMModule(L.LightningModule):
         self.adapter = adapter
         if adapter is not None:
             self.net = adapter.apply(net)
+        # kernel switches (src/models/kernel_options.py): the loss's implementation; torch.compile per block, last,
+        # so it compiles the blocks as checkpointing and the adapter left them
+        self.cross_entropy = cross_entropy_mode(cross_entropy)
+        self.compiled_blocks = compile_blocks(self.net, compile)
+        if self.compiled_blocks:
+            log.info("model.compile: torch.compile of %d blocks (%s ... %s); the first step compiles",
+                     len(self.compiled_blocks), self.compiled_blocks[0], self.compiled_blocks[-1])
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler", "adapter"])
@@ -153,14 +164,14 @@ class CausalLMModule(L.LightningModule):
         out = self.net(**self.net_inputs(batch), **self.moe.forward_kwargs(training))
         logits = out.logits if hasattr(out, "logits") else out
         moe = self.moe.measure(out, training)
-        # next-token prediction: position t predicts token t+1; fp32 softmax for stability
-        flat_logits, targets = logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1)
+        # next-token prediction: position t predicts token t+1; fp32 softmax (model.cross_entropy: lm_loss.py)
         if training and "doc_ids" in batch:
-            return self._global_token_mean(flat_logits, targets, batch["doc_ids"]), moe
-        loss = F.cross_entropy(flat_logits, targets, ignore_index=-100)
-        return loss, moe
+            total = next_token_loss(logits, labels, self.cross_entropy, reduction="sum")
+            counted = (labels[:, 1:] != IGNORE_INDEX).sum()
+            return self._global_token_mean(total, counted, batch["doc_ids"]), moe
+        return next_token_loss(logits, labels, self.cross_entropy), moe
 
-    def _global_token_mean(self, logits: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    def _global_token_mean(self, total: torch.Tensor, counted: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Document rows carry a different number of counted tokens on each rank (padding, token budget):
         the step's loss is (sum of token losses) / (tokens counted on ALL ranks), not a mean of the ranks'
         means. EVERY rank, every training step: ONE all-reduce of 3 numbers (sum, counted, non-padding).
@@ -168,8 +179,6 @@ class CausalLMModule(L.LightningModule):
         Logged train/loss: the global mean. With accumulation (Lightning's or DeepSpeed's) each micro-batch is
         its own global mean and the k micro-batches are averaged: a micro-batch with fewer tokens weighs more
         per token (the exact step mean would need every micro-batch's count before the first backward)."""
-        total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
-        counted = (targets != -100).sum()
         local = torch.stack([total.detach(), counted.to(total.dtype), (doc_ids >= 0).sum().to(total.dtype)])
         world = self.trainer.world_size if self._trainer is not None else 1
         glob = self.trainer.strategy.reduce(local, reduce_op="sum") if world > 1 else local

@@ -65,6 +65,22 @@ def warmup_length(total_steps: int, warmup_ratio: float, warmup_steps: int | Non
     return min(warmup, total_steps - 1) if total_steps > 1 else 0
 
 
+def resolve_fused(value: object, precision: str, strategy_target: str | None) -> object:
+    """``optim.optimizer.fused: auto`` -> True: torch's fused Adam/AdamW/SGD kernel (one kernel per update
+    instead of a dozen foreach passes; same update up to float rounding, tests/models/test_fast_paths.py), on
+    CPU and CUDA. False under torch AMP fp16 (``trainer.precision=16-mixed`` without DeepSpeed): there a fused
+    optimizer unscales the gradients inside ``step()``, so Lightning refuses to clip them and the checks would
+    see them loss-scaled (DeepSpeed's fp16 unscales before calling the optimizer: True). Any other value is
+    the user's and returned as given."""
+    if not (isinstance(value, str) and value.lower() == "auto"):
+        return value
+    fused = not (str(precision) == "16-mixed" and "DeepSpeed" not in str(strategy_target or ""))
+    log.info("optim.optimizer.fused=auto: %s%s", str(fused).lower(), "" if fused else
+             " (torch AMP fp16: Lightning unscales the gradients before clipping; a fused optimizer would do it "
+             "inside step())")
+    return fused
+
+
 def scaled_lr(lr: float, global_batch_size: int, base_batch_size: int | None) -> float:
     """Linear scaling rule (Goyal et al.): lr * global_batch / base_batch; off when base is None."""
     if base_batch_size is None:

@@ -75,6 +75,7 @@ def test_rounds_alternate_order_and_overhead_is_the_median():
 def test_raw_constants_mirror_the_default_config(tmp_path):
     from omegaconf import OmegaConf
 
+    from dsdebug.models.optim import resolve_fused
     from dsdebug.trainer.strategy import DebugDeepSpeedStrategy
 
     cfg = harness.compose(["strategy=zero2"], tmp_path)
@@ -86,6 +87,8 @@ def test_raw_constants_mirror_the_default_config(tmp_path):
     opt = cfg.optim
     assert (opt.lr, tuple(opt.optimizer.betas), opt.optimizer.eps, opt.optimizer.weight_decay) == \
         (fvr.LR, fvr.BETAS, fvr.EPS, fvr.WEIGHT_DECAY)
+    assert (resolve_fused(opt.optimizer.fused, cfg.trainer.precision, cfg.strategy._target_), cfg.model.cross_entropy) \
+        == (fvr.FUSED, fvr.CROSS_ENTROPY)
     assert (opt.scheduler.warmup_ratio, opt.scheduler.min_lr_ratio, opt.grad_clip, cfg.model.moe_aux_loss_coef) == \
         (fvr.WARMUP_RATIO, fvr.MIN_LR_RATIO, fvr.GRAD_CLIP, fvr.AUX_COEF)
     assert cfg.trainer.log_every_n_steps == fvr.LOG_EVERY

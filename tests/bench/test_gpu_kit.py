@@ -208,14 +208,14 @@ def test_every_train_command_of_the_gpu_run_composes_here_and_the_dry_run_uses_t
     assert _keys(dry.big_overrides()) == _keys(gpu.big_overrides())
     assert set(gpu_check.TINY_MODEL) == set(gpu_check.BIG_MODEL)
     runs = {(mode, name): o for mode, s in (("gpu", gpu), ("dry", dry)) for name, o in gpu_check.train_runs(s).items()}
-    assert {("gpu", n) for n in ("zero2_full", "zero3_full", "fp16_nan", "fp16_overflow", "none", "light", "full")
-            } <= set(runs)
+    assert {("gpu", n) for n in ("zero2_full", "zero3_full", "fp16_nan", "fp16_overflow", "none", "light", "full",
+                                 "fast")} <= set(runs)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONF), version_base="1.3"):
             for (mode, name), overrides in runs.items():
                 cfg = compose("train", overrides=overrides)  # raises on a key the config does not have
-                if name in gpu_check.TIMED:  # the big model's sizes arrived, not the config's own
+                if name in (*gpu_check.TIMED, gpu_check.FAST):  # the big model's sizes arrived, not the config's own
                     big = (gpu if mode == "gpu" else dry).big
                     assert {k: cfg.model.net[k] for k in big} == big, (mode, name)
     finally:
@@ -312,16 +312,20 @@ def test_fp16_judge_wants_the_healthy_fp16_steps_silent():
 def test_throughput_judge_mfu_against_the_devices_peak_and_the_ratio():
     s = gpu_check.Settings(dry_run=False, cuda=True)
     facts = {"tokens_per_step": 16384, "flops_per_token": 2e9}
-    runs = {"raw": _run(stamps={10: 100.0, 50: 102.0}), "none": _run(stamps={10: 200.0, 50: 202.2})}
+    runs = {"raw": _run(stamps={10: 100.0, 50: 102.0}), "fast": _run(stamps={10: 200.0, 50: 202.2})}
     got = gpu_check.judge_throughput(s, facts, "NVIDIA H200", runs)
     assert got["raw"]["step_ms"] == pytest.approx(50.0) and got["framework"]["step_ms"] == pytest.approx(55.0)
+    assert "framework_eager" not in got  # the overhead step's debug=none run (no compile): only when it ran
+    eager = gpu_check.judge_throughput(s, facts, "NVIDIA H200", {**runs, "none": _run(stamps={10: 0.0, 50: 4.0})})
+    assert eager["framework_eager"]["step_ms"] == pytest.approx(100.0)
+    assert eager["framework"]["step_ms"] == pytest.approx(55.0)
     assert got["framework"]["tokens_per_s"] == pytest.approx(16384 / 0.055)
     assert got["framework"]["mfu"] == pytest.approx(16384 / 0.055 * 2e9 / 989e12)
     assert got["framework_over_raw"] == pytest.approx(1.1) and "GPU_PEAK_TFLOPS['H200'] = 989" in got["peak_source"]
     assert gpu_check.judge_throughput(s, facts, "NVIDIA H100 PCIe", runs)["peak_tflops"] == 756.0
     unknown = gpu_check.judge_throughput(s, facts, "Some GPU", runs)
     assert unknown["framework"]["mfu"] is None and "not in GPU_PEAK_TFLOPS" in unknown["peak_source"]
-    cut = gpu_check.judge_throughput(s, facts, "NVIDIA H200", {**runs, "none": _run(stamps={10: 1.0}, exit=None)})
+    cut = gpu_check.judge_throughput(s, facts, "NVIDIA H200", {**runs, "fast": _run(stamps={10: 1.0}, exit=None)})
     assert cut["status"] == "failed" and cut["framework"]["step_ms"] is None
 
 

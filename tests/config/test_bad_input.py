@@ -85,6 +85,16 @@ CASES = {
     "gradient_checkpointing_unknown": (["model.gradient_checkpointing=maybe"],
                                        ["model.gradient_checkpointing='maybe' is invalid; valid: false, true "
                                         "(= non_reentrant), reentrant, non_reentrant"]),
+    # the model's kernel switches (src/models/kernel_options.py) and the optimizer's fused kernel
+    "compile_not_a_bool": (["model.compile=maybe"],
+                           ["model.compile='maybe' is invalid; valid: false (eager), true (torch.compile each "
+                            "decoder block"]),
+    "cross_entropy_unknown": (["model.cross_entropy=fused"],
+                              ["model.cross_entropy='fused' is invalid; valid: chunked", "full (one cross_entropy "
+                               "over an fp32 copy of the logits: the reference)"]),
+    "optimizer_fused_unknown": (["optim.optimizer.fused=yes"],
+                                ["optim.optimizer.fused='yes' is invalid; valid: auto (true; false under torch AMP "
+                                 "fp16), true (torch's fused kernel), false, null (torch's default)"]),
     # parameters DeepSpeed's engine cannot hold (src/trainer/param_layout.py): refused once the model is built
     "param_empty_under_zero3": (["model.net._target_=tests.planted.shapes.EmptyParamLM", "strategy=zero3"],
                                 ["parameter net.extra (shape [0], float32) has no elements", "DeepSpeed ZeRO-3",
