@@ -14,6 +14,8 @@ the CPU has no native fp16). Optionally it plants an overflow: from ``overflow_s
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ class RealFp16OnCpu(Callback):
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         trainer.strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        factory = getattr(pl_module, "optimizer_factory", None)
+        if factory is not None:  # as optim.optimizer.fused=auto resolves under torch AMP fp16 (models/optim.py)
+            pl_module.optimizer_factory = functools.partial(factory, fused=False)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.trainer = trainer
