@@ -13,7 +13,7 @@ EXTRAS ?= train,wandb,sweep,slurm,hf,lora,test
 # the CPU wheel when no torch is installed yet; a torch already there (a CUDA build) is kept
 TORCH_PIN := $(shell grep '^torch==' constraints.txt)
 
-.PHONY: setup train test test-all test-fast bench bench-full bench-comm gpu-kit clean-logs
+.PHONY: setup train test test-all test-extended test-fast bench bench-full bench-comm gpu-kit clean-logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,11 @@ test: setup
 	$(PY) -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not extended" --durations=25 $(PYTEST_ARGS)
+
+# the rest of the matrices whose covering subset test-all runs (docs/testing.md); not in CI
+test-extended: setup
+	$(PY) -m pytest -q -m extended --durations=25 $(PYTEST_ARGS)
 
 test-fast: test  # the old name of `make test`
 

@@ -41,8 +41,10 @@ def test_zero3_reentrant_trains_bitwise_like_no_checkpointing(tmp_path_factory, 
 
 
 @pytest.mark.slow  # 2-process runs; ZeRO-3 above is the make-test cover
-@pytest.mark.parametrize("strategy, mode", [("ddp", "non_reentrant"), ("ddp", "reentrant"), ("zero1", "reentrant"),
-                                            ("zero2", "non_reentrant"), ("zero3", "non_reentrant")])
+@pytest.mark.parametrize("strategy, mode", [  # test-all: each mode and each engine once; the rest: make test-extended
+    pytest.param("ddp", "non_reentrant", marks=pytest.mark.extended), ("ddp", "reentrant"),
+    pytest.param("zero1", "reentrant", marks=pytest.mark.extended), ("zero2", "non_reentrant"),
+    pytest.param("zero3", "non_reentrant", marks=pytest.mark.extended)])
 def test_other_strategies_and_modes_train_bitwise_alike(strategy, mode, tmp_path_factory, shared_cache):
     _equal(strategy, mode, tmp_path_factory, shared_cache)
 

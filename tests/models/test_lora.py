@@ -268,7 +268,8 @@ def test_lora_one_process_fit_is_silent_and_exports(tmp_path, shared_cache):
 
 
 @pytest.mark.slow  # four 2-process fits (~1-3 min each on 2 cores); the 1-process fit above is the fast cover
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero1", marks=pytest.mark.extended),  # test-all: DDP and
+                                      pytest.param("zero2", marks=pytest.mark.extended), "zero3"])  # ZeRO-3
 def test_lora_two_processes(strategy, tmp_path, shared_cache):
     proc = run_train(SMOKE + LORA + ["trainer=ddp_sim", f"strategy={strategy}", *SMALL_DEEPSEEK],
                      tmp_path / "logs", shared_cache, timeout=600)

@@ -29,7 +29,11 @@ RESUMABLE = [c for c in CASES if c != "all_frozen"]  # a model with nothing to t
 FAST_2RANK_CASES = ("nan_in_one_ranks_batch", "lr_3", "all_labels_ignored", "batch_of_one", "seq_len_2", "one_step")
 
 
-def _plan(world: int, fast: bool) -> list[dict]:
+def _plan(world: int, tier: str) -> list[dict]:
+    """The cells of one rank count in one tier: ``fast`` (make test), ``slow`` (make test-all, CI) or ``extended``
+    (make test-extended). slow is a covering subset of the rest of the product (a Latin square: case i under
+    preset p runs strategy (i + p) mod 3), so every (case, preset), (case, strategy) and (preset, strategy)
+    pair trains at both rank counts; extended trains what is left of the full product."""
     cells = [{"case": c, "preset": p, "strategy": s} for p in PRESETS for s in STRATEGIES for c in CASES]
     if world == 1:
         chosen = [c for c in cells if (c["preset"], c["strategy"]) == ("light", "zero2")]
@@ -39,29 +43,35 @@ def _plan(world: int, fast: bool) -> list[dict]:
                   and c["case"] in FAST_2RANK_CASES]
         resumes = [{"case": c, "preset": "light", "strategy": "zero3", "resume": True}
                    for c in ("nan_in_one_ranks_batch", "one_step")]
-    if fast:
+    if tier == "fast":
         return chosen + resumes
-    slow = [c for c in cells if c not in chosen]
+    rest = [c for c in cells if c not in chosen]
+    cases = list(CASES)
+    covering = [c for c in rest if STRATEGIES.index(c["strategy"]) ==
+                (cases.index(c["case"]) + PRESETS.index(c["preset"])) % len(STRATEGIES)]
+    if tier == "extended":
+        return [c for c in rest if c not in covering]
     # each case resumed once more per rank count, the preset and strategy rotating over the cases; a resume
-    # needs its first run in the same worker, so a combination make test trains is passed over
+    # needs its first run in the same worker (a cell of this tier)
     combos = [(p, s) for p in PRESETS for s in STRATEGIES]
     slow_resumes = []
     for i, case in enumerate(RESUMABLE):
         turn = combos[i % len(combos):] + combos[:i % len(combos)]
-        preset, strategy = next(ps for ps in turn if {"case": case, "preset": ps[0], "strategy": ps[1]} in slow)
+        preset, strategy = next(ps for ps in turn if {"case": case, "preset": ps[0], "strategy": ps[1]} in covering)
         slow_resumes.append({"case": case, "preset": preset, "strategy": strategy, "resume": True})
-    return slow + slow_resumes
+    return covering + slow_resumes
 
 
-PLANS = {(world, fast): _plan(world, fast) for world in (1, 2) for fast in (True, False)}
-_results: dict[tuple[int, bool], dict] = {}
+TIERS = ("fast", "slow", "extended")
+PLANS = {(world, tier): _plan(world, tier) for world in (1, 2) for tier in TIERS}
+_results: dict[tuple[int, str], dict] = {}
 
 
-def _results_for(world: int, fast: bool, tmp_path_factory, cache: Path) -> dict:
-    key = (world, fast)
+def _results_for(world: int, tier: str, tmp_path_factory, cache: Path) -> dict:
+    key = (world, tier)
     if key not in _results:
-        out = tmp_path_factory.mktemp(f"matrix_{world}rank_{'fast' if fast else 'slow'}")
-        timeout = 1200 if fast else 3600
+        out = tmp_path_factory.mktemp(f"matrix_{world}rank_{tier}")
+        timeout = 1200 if tier == "fast" else 3600
         _results[key] = run_worker(PLANS[key], world, out, cache, timeout)
     return _results[key]
 
@@ -117,26 +127,56 @@ SILENT = ("batch_of_one", "seq_len_2", "no_validation", "one_step", "shorter_tha
 PERFORMANCE = ("advisor/too_slow",)
 
 
-@pytest.mark.parametrize("cell", PLANS[(1, True)], ids=_ids(PLANS[(1, True)]))
+@pytest.mark.parametrize("cell", PLANS[(1, "fast")], ids=_ids(PLANS[(1, "fast")]))
 def test_one_rank(cell, tmp_path_factory, shared_cache):
-    _judge(_results_for(1, True, tmp_path_factory, shared_cache), cell, 1)
+    _judge(_results_for(1, "fast", tmp_path_factory, shared_cache), cell, 1)
 
 
-@pytest.mark.parametrize("cell", PLANS[(2, True)], ids=_ids(PLANS[(2, True)]))
+@pytest.mark.parametrize("cell", PLANS[(2, "fast")], ids=_ids(PLANS[(2, "fast")]))
 def test_two_ranks(cell, tmp_path_factory, shared_cache):
-    _judge(_results_for(2, True, tmp_path_factory, shared_cache), cell, 2)
+    _judge(_results_for(2, "fast", tmp_path_factory, shared_cache), cell, 2)
 
 
-@pytest.mark.slow  # the rest of the matrix: make test trains every case under the default preset and strategy
-@pytest.mark.parametrize("cell", PLANS[(1, False)], ids=_ids(PLANS[(1, False)]))
+@pytest.mark.slow  # every preset x strategy pair, and every case under each preset and each strategy (Latin square)
+@pytest.mark.parametrize("cell", PLANS[(1, "slow")], ids=_ids(PLANS[(1, "slow")]))
 def test_one_rank_every_preset_and_strategy(cell, tmp_path_factory, shared_cache):
-    _judge(_results_for(1, False, tmp_path_factory, shared_cache), cell, 1)
+    _judge(_results_for(1, "slow", tmp_path_factory, shared_cache), cell, 1)
 
 
-@pytest.mark.slow  # the rest of the matrix at 2 ranks (the cases that differ per rank are in make test)
-@pytest.mark.parametrize("cell", PLANS[(2, False)], ids=_ids(PLANS[(2, False)]))
+@pytest.mark.slow  # the same covering at 2 ranks (the cases that differ per rank are in make test)
+@pytest.mark.parametrize("cell", PLANS[(2, "slow")], ids=_ids(PLANS[(2, "slow")]))
 def test_two_ranks_every_preset_and_strategy(cell, tmp_path_factory, shared_cache):
-    _judge(_results_for(2, False, tmp_path_factory, shared_cache), cell, 2)
+    _judge(_results_for(2, "slow", tmp_path_factory, shared_cache), cell, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the rest of the full product (make test-extended; CI's 90 min cannot hold it)
+@pytest.mark.parametrize("cell", PLANS[(1, "extended")], ids=_ids(PLANS[(1, "extended")]))
+def test_one_rank_rest_of_the_product(cell, tmp_path_factory, shared_cache):
+    _judge(_results_for(1, "extended", tmp_path_factory, shared_cache), cell, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("cell", PLANS[(2, "extended")], ids=_ids(PLANS[(2, "extended")]))
+def test_two_ranks_rest_of_the_product(cell, tmp_path_factory, shared_cache):
+    _judge(_results_for(2, "extended", tmp_path_factory, shared_cache), cell, 2)
+
+
+def test_the_tiers_cover_the_whole_product_once():
+    """fast + slow + extended = every case x preset x strategy at both rank counts, no cell twice; slow alone
+    holds every (case, preset), (case, strategy) and (preset, strategy) pair at each rank count."""
+    for world in (1, 2):
+        firsts = [(c["case"], c["preset"], c["strategy"]) for t in TIERS for c in PLANS[(world, t)]
+                  if not c.get("resume")]
+        assert len(firsts) == len(set(firsts)) == len(CASES) * len(PRESETS) * len(STRATEGIES)
+        tested = [c for t in ("fast", "slow") for c in PLANS[(world, t)] if not c.get("resume")]
+        for a, b in (("case", "preset"), ("case", "strategy"), ("preset", "strategy")):
+            assert {(c[a], c[b]) for c in tested} == {(x, y) for x in {c[a] for c in tested}
+                                                      for y in {c[b] for c in tested}}, (world, a, b)
+        resumed = {c["case"] for t in ("fast", "slow") for c in PLANS[(world, t)] if c.get("resume")}
+        assert resumed <= set(RESUMABLE)
+        assert {c["case"] for c in PLANS[(world, "slow")] if c.get("resume")} == set(RESUMABLE)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "ddp"])
