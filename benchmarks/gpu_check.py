@@ -186,7 +186,8 @@ def fp16_runs(s: Settings) -> dict[str, list[str]]:
 
 TIMED = ("none", "light", "full")  # the big model's train.py runs (steps 4-6), one per debug preset
 FAST = "fast"  # the throughput step's train.py run: debug=none and every fast path of the model on (docs/gpu.md)
-FAST_OVERRIDES = ["debug=none", "model.compile=true"]  # the other fast paths are the defaults
+FAST_OVERRIDES = ["debug=none", "model.compile=true", "model.cross_entropy=chunked", "optim.optimizer.fused=auto",
+                  "++model.net.attn_implementation=sdpa_pad_v"]  # every fast path (opt-in: docs/gpu.md)
 
 
 def timed_runs(s: Settings) -> dict[str, list[str]]:

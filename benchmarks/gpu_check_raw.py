@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--total-steps", type=int, required=True)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder block (model.compile=true)")
+    p.add_argument("--compile", action="store_true", help="every fast path of the model (docs/gpu.md): torch.compile "
+                   "each decoder block, sdpa_pad_v attention, the chunked loss, torch's fused AdamW")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.net(input_ids=input_ids).logits
             aux = load_balancing_loss(self.capture.collect(), self.capture.num_experts, self.capture.top_k)
-            ce = next_token_loss(logits, labels, CROSS_ENTROPY)
+            ce = next_token_loss(logits, labels, "chunked" if args.compile else CROSS_ENTROPY)
             return ce + AUX_COEF * aux, ce
 
     cuda = torch.cuda.is_available()
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(SEED)
     np.random.seed(SEED)
     torch.manual_seed(SEED)
-    net = build_deepseek_v3(**json.loads(args.model))
+    net = build_deepseek_v3(**{**json.loads(args.model),  # --compile: every fast path, as gpu_check's FAST run
+                               **({"attn_implementation": "sdpa_pad_v"} if args.compile else {})})
     params = sum(p.numel() for p in net.parameters())
     model = LossModel(net)
     compile_blocks(net, args.compile)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     sampler = DistributedSampler(data.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     loader = DataLoader(data.train_dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.AdamW(param_groups(net.named_parameters()), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY, fused=FUSED)
+                                  weight_decay=WEIGHT_DECAY, fused=True if args.compile else FUSED)
     scheduler = warmup_cosine(optimizer, total_steps=args.total_steps, warmup_ratio=WARMUP_RATIO,
                               min_lr_ratio=MIN_LR_RATIO)
     config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,

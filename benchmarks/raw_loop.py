@@ -25,12 +25,12 @@ REPO = harness.REPO
 # match conf/: data/kjv.yaml, model/deepseek_v3_tiny.yaml, optim/adamw.yaml, train.yaml seed).
 SEED = 42
 BATCH_SIZE, SEQ_LEN, VOCAB = 8, 128, 4096
-LR, BETAS, EPS, WEIGHT_DECAY, FUSED = 3e-3, (0.9, 0.95), 1e-8, 0.1, True  # fused: optim.optimizer.fused=auto
-CROSS_ENTROPY = "chunked"  # model.cross_entropy: the loss through dsdebug.models.lm_loss, as the module's
+LR, BETAS, EPS, WEIGHT_DECAY, FUSED = 3e-3, (0.9, 0.95), 1e-8, 0.1, False  # optim.optimizer.fused
+CROSS_ENTROPY = "full"  # model.cross_entropy: the loss through dsdebug.models.lm_loss, as the module's
 WARMUP_RATIO, MIN_LR_RATIO, GRAD_CLIP, AUX_COEF = 0.1, 0.1, 1.0, 0.01
 MODEL = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=SEQ_LEN, attn_implementation="sdpa_pad_v")
+             max_position_embeddings=SEQ_LEN, attn_implementation="sdpa")
 # Dumped from a framework run (trainer.strategy.config after setup, strategy=zero2): Lightning's
 # DeepSpeedStrategy(stage=2) defaults. Lightning also passes `activation_checkpointing` (all
 # false) and `aio` (NVMe offload settings): neither does anything here, so they are left out.

@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from dsdebug.errors import ConfigError
-from dsdebug.models.mla_attention import SDPA_PAD_V  # registers attn_implementation="sdpa_pad_v"
+from dsdebug.models.mla_attention import SDPA_PAD_V  # noqa: F401 - registers attn_implementation="sdpa_pad_v"
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def build_deepseek_v3(
     tie_word_embeddings: bool = False,
     n_group: int = 4,
     topk_group: int = 2,
-    attn_implementation: str = SDPA_PAD_V,
+    attn_implementation: str = "sdpa",
     use_cache: bool = False,
     **overrides: Any,
 ) -> DeepseekV3ForCausalLM:
@@ -93,9 +93,9 @@ def build_deepseek_v3(
 
     ``num_key_value_heads=None`` means one per attention head, as MLA needs (HF's V3 default
     of 128 silently breaks eager attention for a 4-head model: 4 // 128 = 0 kv groups).
-    ``attn_implementation="sdpa_pad_v"`` (``mla_attention.py``): SDPA with V zero-padded to the query/key head
-    size, so SDPA's flash kernels take MLA's unequal head sizes; ``"sdpa"`` is HF's plain SDPA (on CPU its math
-    kernel for these sizes), ``"eager"`` HF's reference; all three agree to ~1e-6.
+    ``attn_implementation="sdpa"`` is HF's plain SDPA (on CPU its math kernel for these sizes); ``"sdpa_pad_v"``
+    (``mla_attention.py``, opt-in: docs/gpu.md) pads V to the query/key head size so SDPA's flash kernels take
+    MLA's unequal head sizes; ``"eager"`` HF's reference; all three agree to ~1e-6.
     ``use_cache=False`` because this is a training model (no KV cache built per forward).
     Any extra keyword is passed to ``DeepseekV3Config`` (e.g. ``routed_scaling_factor``,
     ``experts_implementation``); unknown keys raise ``ConfigError``.
@@ -127,7 +127,7 @@ def build_deepseek_v2(
     topk_method: str = "group_limited_greedy",
     n_group: int | None = 4,
     topk_group: int | None = 2,
-    attn_implementation: str = SDPA_PAD_V,
+    attn_implementation: str = "sdpa",
     use_cache: bool = False,
     **overrides: Any,
 ) -> DeepseekV2ForCausalLM:

@@ -4,7 +4,7 @@ anything heavy is imported (``src/config/validate.py``), and the model code read
 | key | values | default | what it switches (file) |
 |---|---|---|---|
 | ``model.compile`` | ``false`` / ``true`` | ``false`` | ``torch.compile`` of each decoder block's forward (``compile_blocks.py``) |
-| ``model.cross_entropy`` | ``chunked`` / ``full`` | ``chunked`` | the next-token loss: chunked over the tokens, no fp32 copy of the whole logits (``chunked``), or one ``F.cross_entropy`` over an fp32 copy (``full``, the reference) (``lm_loss.py``) |
+| ``model.cross_entropy`` | ``full`` / ``chunked`` | ``full`` | the next-token loss: chunked over the tokens, no fp32 copy of the whole logits (``chunked``), or one ``F.cross_entropy`` over an fp32 copy (``full``, the reference) (``lm_loss.py``) |
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def compile_setting(value: Any) -> bool:
 def cross_entropy_mode(value: Any) -> str:
     """``model.cross_entropy`` -> "chunked" | "full"; anything else is a ConfigError naming the key."""
     if value is None:
-        return "chunked"
+        return "full"
     if isinstance(value, str) and value.lower() in CROSS_ENTROPY_MODES:
         return value.lower()
     raise ConfigError(f"{CROSS_ENTROPY_KEY}={value!r} is invalid; valid: chunked (over the tokens, no fp32 copy of "

@@ -1,11 +1,11 @@
 """The next-token cross-entropy of ``CausalLMModule`` (``model.cross_entropy``), from the logits the net returns.
 
-``full`` (the reference, the project's loss before 2026-11-28): ``logits[:, :-1]`` reshaped (a copy: the slice is
+``full`` (the reference and the default): ``logits[:, :-1]`` reshaped (a copy: the slice is
 not contiguous), ``.float()`` (an fp32 copy of the whole logits), ``F.cross_entropy``, which keeps the fp32
 log-probabilities for its backward; backward makes another fp32 tensor of the logits' size and casts it back. For
 the GPU kit's model (8 x 2048 tokens, vocabulary 32768) each fp32 tensor is 2 GiB.
 
-``chunked`` (default): the labels are shifted instead of the logits (the last position gets ``-100``, so no copy of
+``chunked`` (opt-in until a GPU measures it, docs/gpu.md): the labels are shifted instead of the logits (the last position gets ``-100``, so no copy of
 the logits), and :class:`ChunkedCrossEntropy` walks the tokens in chunks of ``CHUNK_ELEMENTS`` logits: per chunk,
 fp32 log-sum-exp, the loss, and the gradient ``softmax - onehot`` (fp32), stored in the logits' dtype. Backward is
 that stored gradient times the incoming scalar. Nothing of the logits' size is ever fp32; the extra memory is one
@@ -38,7 +38,7 @@ IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2 ** 25
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, mode: str = "chunked", reduction: str = "mean",
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, mode: str = "full", reduction: str = "mean",
                     chunk_rows: int | None = None) -> torch.Tensor:
     """Cross-entropy of position t's logits against token t+1 of ``labels`` ([B, T, V] and [B, T]), ``-100``
     ignored; ``reduction`` "mean" (over the counted tokens) or "sum". ``mode``: "chunked" or "full"."""

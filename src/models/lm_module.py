@@ -76,7 +76,7 @@ class CausalLMModule(L.LightningModule):
         gradient_checkpointing: bool | str = False,
         adapter: Any = None,
         compile: bool = False,
-        cross_entropy: str = "chunked",
+        cross_entropy: str = "full",
     ) -> None:
         super().__init__()
         self.net = net

@@ -15,8 +15,8 @@ does for MLA (``integrations/flash_attention.py``) and what torchtitan does for 
 attention-times-V product runs at the padded width (for 128/64: +1/3 of the attention FLOPs, which are ~10 % of
 the kit model's). Where the head sizes are equal it is exactly ``"sdpa"``.
 
-The project's DeepSeek builders use it by default (``model.net.attn_implementation``; ``sdpa`` is the plain one,
-``eager`` HF's reference); equality with both: ``tests/models/test_fast_paths.py``. It is registered with
+Opt-in (``model.net.attn_implementation=sdpa_pad_v``; the default ``sdpa`` is the plain one, ``eager`` HF's
+reference; docs/gpu.md says why); equality with both: ``tests/models/test_fast_paths.py``. It is registered with
 transformers' ``AttentionInterface`` (and the SDPA mask with ``AttentionMaskInterface``) when this module is
 imported (``dsdebug.models.deepseek`` imports it). Runs on every rank; no collectives.
 """

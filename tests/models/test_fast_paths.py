@@ -74,8 +74,8 @@ def _assert_same(fast: tuple, ref: tuple, rtol: float, atol: float) -> None:
 @pytest.mark.parametrize("version", ["v3", "v2"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "document_mask"])
 def test_sdpa_pad_v_equals_sdpa_and_eager(version, masked):
-    net = BUILDERS[version]()
-    assert net.config._attn_implementation == "sdpa_pad_v"  # the builders' default
+    net = BUILDERS[version](attn_implementation="sdpa_pad_v")
+    assert net.config._attn_implementation == "sdpa_pad_v"
     attn = net.model.layers[0].self_attn
     assert attn.v_head_dim < attn.qk_head_dim  # MLA: the case the padding is for (32 vs 48)
     ids = _ids()
@@ -97,7 +97,7 @@ def test_sdpa_pad_v_equals_sdpa_and_eager(version, masked):
 
 
 def test_sdpa_pad_v_reaches_the_flash_kernel_where_sdpa_falls_back_to_math():
-    net = build_deepseek_v3(num_hidden_layers=1)
+    net = build_deepseek_v3(num_hidden_layers=1, attn_implementation="sdpa_pad_v")
     ids = _ids()
 
     def kernels() -> set[str]:
@@ -424,7 +424,7 @@ def test_inductor_compiled_blocks_equal_eager_blocks():
 
 def test_kernel_switches_parse_and_refuse_in_one_line():
     assert compile_setting(False) is False and compile_setting("true") is True and compile_setting(None) is False
-    assert cross_entropy_mode("FULL") == "full" and cross_entropy_mode(None) == "chunked"
+    assert cross_entropy_mode("FULL") == "full" and cross_entropy_mode(None) == "full"
     for bad, parse, key in (("maybe", compile_setting, "model.compile"), (1, compile_setting, "model.compile"),
                             ("fast", cross_entropy_mode, "model.cross_entropy")):
         with pytest.raises(ConfigError, match=key) as err:

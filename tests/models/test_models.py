@@ -97,7 +97,7 @@ def test_experts_use_grouped_mm(version, monkeypatch):
 @pytest.mark.parametrize("version", ["v3", "v2"])
 def test_sdpa_matches_eager_attention(version):
     net = BUILDERS[version]().eval()
-    assert net.config._attn_implementation == "sdpa_pad_v"  # SDPA, V padded (tests/models/test_fast_paths.py)
+    assert net.config._attn_implementation == "sdpa"  # sdpa_pad_v: tests/models/test_fast_paths.py
     ids = _ids()
     with torch.no_grad():
         sdpa = net(input_ids=ids).logits
