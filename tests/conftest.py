@@ -49,5 +49,6 @@ def pytest_collection_modifyitems(items):
 def pytest_report_collectionfinish(config, items):
     expr = config.getoption("markexpr")
     if expr and "all" in _collected:
-        return f"tier -m {expr!r}: {len(items)} of {_collected['all']} tests (make test-all runs every one)"
+        return (f"tier -m {expr!r}: {len(items)} of {_collected['all']} tests (make test-all: all but extended; "
+                "make test-extended: the rest)")
     return None
