@@ -57,7 +57,7 @@ from dsdebug.models.grad_ckpt import checkpointing_mode, enable_gradient_checkpo
 from dsdebug.models.kernel_options import cross_entropy_mode
 from dsdebug.models.lm_loss import IGNORE_INDEX, next_token_loss
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
-from dsdebug.models.optim import param_groups
+from dsdebug.models.optim import param_groups, warmup_clamped, warmup_length
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,27 @@ class CausalLMModule(L.LightningModule):
             return None
         total = self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else 1000
+        self._say_warmup_clamped(total)
         return self.scheduler_factory(optimizer, total_steps=total)
+
+    def _say_warmup_clamped(self, total: int) -> None:
+        """A warmup_steps longer than the run is shortened to fit (``warmup_length``): a warning naming the key,
+        once per run (rank 0), never a silent change of the user's value."""
+        keywords = getattr(self.scheduler_factory, "keywords", None) or {}
+        text = warmup_clamped(total, keywords.get("warmup_steps"))
+        if text is None or getattr(self, "_warned_warmup", None) == text:
+            return
+        self._warned_warmup = text
+        log.warning(text)
+        if self.trainer.global_rank == 0:
+            from dsdebug.findings import Finding, get_channel
+
+            get_channel().report(Finding(
+                "config", "warning", "value_adjusted", text,
+                "set optim.scheduler.warmup_steps below trainer.max_steps (or use optim.scheduler.warmup_ratio, a "
+                "share of the run)", details={"key": "optim.scheduler.warmup_steps",
+                                              "asked": int(keywords["warmup_steps"]),
+                                              "used": warmup_length(total, 0.0, keywords["warmup_steps"])}))
 
 
 class _TokenLRScale:

@@ -65,6 +65,20 @@ def warmup_length(total_steps: int, warmup_ratio: float, warmup_steps: int | Non
     return min(warmup, total_steps - 1) if total_steps > 1 else 0
 
 
+def warmup_clamped(total_steps: int, warmup_steps: int | None) -> str | None:
+    """What ``warmup_length`` changed of a ``warmup_steps`` the user set, as one line naming the key, the
+    value asked and the value used; None when it is used as given (a ratio is a share of the run, never
+    clamped)."""
+    if warmup_steps is None:
+        return None
+    used = warmup_length(total_steps, 0.0, warmup_steps)
+    if used == int(warmup_steps):
+        return None
+    return (f"optim.scheduler.warmup_steps={int(warmup_steps)} is used as {used}: the run has "
+            f"{max(1, int(total_steps))} optimizer steps, and the warmup must end before the last one (the LR "
+            f"peaks at step {used})")
+
+
 def resolve_fused(value: object, precision: str, strategy_target: str | None) -> object:
     """``optim.optimizer.fused: auto`` -> True: torch's fused Adam/AdamW/SGD kernel (one kernel per update
     instead of a dozen foreach passes; same update up to float rounding, tests/models/test_fast_paths.py), on

@@ -44,7 +44,10 @@ def lr_curve(make_scheduler: Callable[[Any], Any] | None, lr: float, total_steps
 def run_plan(lrs: list[float], lr: float, total_steps: int, clip: float | None, grad_norm: float | None,
              dataset_samples: int | None, samples_per_step: int, loss_token_fraction: float | None,
              adjustments: list[tuple[str, str]] = (), epochs_warn: float = 4.0, epochs_fail: float = 50.0,
-             shrink_warn: float = 10.0, shrink_fail: float = 100.0) -> ProbeResult:
+             shrink_warn: float = 10.0, shrink_fail: float = 100.0,
+             warmup_key: str = "optim.scheduler.warmup_ratio") -> ProbeResult:
+    """``warmup_key``: the key the run's warmup comes from (the one the user set: warmup_steps wins over the
+    ratio), named when the warmup is too long."""
     fails: list[tuple[str, str, str]] = []  # (culprit key, message, advice)
     warns: list[tuple[str, str, str]] = []
     facts: list[str] = []
@@ -57,13 +60,13 @@ def run_plan(lrs: list[float], lr: float, total_steps: int, clip: float | None, 
         if peak <= 0:
             fails.append(("optim.lr", "the LR is 0 over the whole run: nothing trains", "set optim.lr > 0"))
         elif peak < 0.95 * lr:
-            fails.append(("optim.scheduler.warmup_ratio",
+            fails.append((warmup_key,
                           f"the schedule never reaches optim.lr={lr:.2g} (peak {peak:.2g} at step {peak_step}): the "
                           f"warmup is longer than the run ({total_steps} steps)",
                           "shorten the warmup (optim.scheduler.warmup_ratio / warmup_steps) or raise trainer.max_steps"))
         elif peak_step > 0.5 * total_steps:
-            warns.append(("optim.scheduler.warmup_ratio", f"the LR peaks only at step {peak_step} of {total_steps}",
-                          "shorten the warmup"))
+            warns.append((warmup_key, f"the LR peaks only at step {peak_step} of {total_steps}",
+                          f"shorten the warmup ({warmup_key})"))
     if clip and grad_norm:
         shrink = grad_norm / clip
         details.update(clip=clip, grad_norm=grad_norm, clip_shrink=shrink)
@@ -137,5 +140,7 @@ def plan_of_run(trainer: Any, pl_module: Any, batch: dict, loader: Any = None, c
     per_step = int(ids.shape[0]) * int(trainer.accumulate_grad_batches) * int(trainer.world_size)
     labels = batch.get("labels", ids)[:, 1:]
     fraction = float((labels != -100).float().mean()) if labels.numel() else None
-    return run_plan(lrs, lr, total, clip, grad_norm, size, per_step, fraction, list(adjustments))
+    keywords = getattr(factory, "keywords", None) or {}
+    key = "optim.scheduler.warmup_steps" if keywords.get("warmup_steps") is not None else "optim.scheduler.warmup_ratio"
+    return run_plan(lrs, lr, total, clip, grad_norm, size, per_step, fraction, list(adjustments), warmup_key=key)
 
