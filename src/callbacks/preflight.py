@@ -128,7 +128,7 @@ class Preflight(DebugCallback):
                                                                                         True)), locate=locate),
             "sample_independence": lambda locate: _no_dropout(net, lambda: sample_independence(
                 net, batch, locate=locate, grads=False)),
-            "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate),
+            "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate, agree=any_rank),
             "plan": lambda locate: plan_of_run(trainer, pl_module, full),
         }
         names = [n for n in self.probes if not (n == "init_loss" and resumed)]

@@ -88,10 +88,13 @@ def test_labels_shifted_the_wrong_way_are_named_as_the_data(tmp_path):
     assert result.status == "fail" and result.culprit == "data: labels", result
 
 
-def test_a_healthy_net_passes_every_probe_and_reports_one_info_line(tmp_path):
+@pytest.mark.parametrize("cls", [planted.TinyCausalLM, planted.FunctionalDropoutLM, planted.DropPathLM])
+def test_a_healthy_net_passes_every_probe_and_reports_one_info_line(cls, tmp_path):
+    """Also with dropout the probe cannot zero as a module (nanoGPT's functional SDPA dropout, F.dropout,
+    torch.dropout) and with randomness that stays (stochastic depth)."""
     torch.manual_seed(0)
     check = Preflight()
-    _fit(planted.TinyCausalLM(vocab_size=V), tmp_path, [check], steps=2)
+    _fit(cls(vocab_size=V), tmp_path, [check], steps=2)
     assert {r.probe: r.status for r in check.results} == {p: "pass" for p in
                                                          ("init_loss", "causality", "sample_independence",
                                                           "train_eval", "plan")}, check.results

@@ -106,12 +106,57 @@ def test_sample_independence_names_the_mixing_module(cls):
 
 # ---- train/eval: BatchNorm, a hand-written dropout, a non-finite eval path -------------------
 
-@pytest.mark.parametrize("cls, words", [(planted.BatchNormLM, "part"), (planted.HandDropLM, "part"),
-                                        (planted.EvalNaNLM, "not finite")])
-def test_train_eval_names_where_they_part(cls, words):
+@pytest.mark.parametrize("cls, words, culprit", [
+    (planted.BatchNormLM, "part", "mix"), (planted.EvalNaNLM, "not finite", "mix"),
+    # train stays random with every dropout off: judged in expectation, still named
+    (planted.HandDropLM, "mean of", "mix"), (planted.BranchOffInEvalLM, "mean of", "mlp_drop")])
+def test_train_eval_names_where_they_part(cls, words, culprit):
     result = train_eval(_net(cls), _batch())
     assert result.status == "fail" and words in result.message, result
-    assert result.culprit.startswith("mix"), result
+    assert result.culprit.startswith(culprit), result
+
+
+@pytest.mark.parametrize("cls", [planted.FunctionalDropoutLM, planted.DropPathLM])
+def test_train_eval_passes_randomness_that_is_not_a_dropout_module(cls):
+    """Functional dropout with its rate anywhere (nanoGPT's SDPA dropout_p from a config, a constant F.dropout,
+    torch.dropout) is switched off like nn.Dropout; stochastic depth, which stays random, agrees in expectation."""
+    result = train_eval(_net(cls), _batch())
+    assert result.status == "pass", result
+    assert result.details["stochastic"] is (cls is planted.DropPathLM), result
+
+
+@pytest.mark.parametrize("family, attn", [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"),
+                                          ("llama", "sdpa")])
+def test_train_eval_passes_hf_attention_dropout(family, attn):
+    """GPT-2's own dropouts (attn_pdrop, resid_pdrop, embd_pdrop 0.1) and Llama's attention_dropout, under both
+    attention implementations: silent."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                         attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+        net = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=attn)
+    else:
+        config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.1,
+                                          max_position_embeddings=32)
+        net = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
+    result = train_eval(net, _batch())
+    assert result.status == "pass" and result.details["stochastic"] is False, result
+
+
+def test_functional_dropout_is_back_after_the_probe():
+    import torch.nn.functional as F
+
+    from dsdebug.probes.train_eval import functional_dropout_off
+
+    before = (F.dropout, F.scaled_dot_product_attention, torch.dropout)
+    x = torch.ones(1000)
+    with functional_dropout_off():
+        assert torch.equal(F.dropout(x, 0.5, True), x) and torch.equal(torch.dropout(x, 0.5, True), x)
+        assert torch.equal(F.dropout(x, p=0.9), x)
+    assert (F.dropout, F.scaled_dot_product_attention, torch.dropout) == before
+    assert not torch.equal(F.dropout(x, 0.5, True), x)
 
 
 def test_train_eval_ignores_ordinary_dropout():

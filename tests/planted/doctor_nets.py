@@ -156,8 +156,9 @@ class HotHeadLM(TinyCausalLM):
 
 
 class ScaledDrop(nn.Module):
-    """A hand-written dropout (rate in ``rate``, not a 'dropout' attribute): train drops without
-    rescaling, eval scales by (1 - rate) -- the classic inverted-dropout mix-up."""
+    """A hand-written dropout (rate in ``rate``, not a 'dropout' attribute, its own randomness): train drops and
+    rescales by 1/(1 - rate) (inverted dropout), and eval scales by (1 - rate) as well -- the two conventions
+    mixed up, so eval is (1 - rate) x what train gives on average."""
 
     def __init__(self, rate: float = 0.3) -> None:
         super().__init__()
@@ -165,7 +166,7 @@ class ScaledDrop(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            return x * (torch.rand_like(x) >= self.rate)
+            return x * (torch.rand_like(x) >= self.rate) / (1 - self.rate)
         return x * (1 - self.rate)
 
 
@@ -175,6 +176,76 @@ class HandDropLM(TinyCausalLM):
     def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
         super().__init__(vocab_size, hidden)
         self.mix = ScaledDrop()
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (timm's drop_path): each sample's branch is kept with probability 1 - rate and rescaled
+    by 1/(1 - rate) in train, identity in eval. ``eval_off=True`` is the planted bug: eval drops the branch
+    altogether (a rate read as "always drop when not training")."""
+
+    def __init__(self, rate: float = 0.2, eval_off: bool = False) -> None:
+        super().__init__()
+        self.rate, self.eval_off = rate, eval_off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return torch.zeros_like(x) if self.eval_off else x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.rate)
+        return x * keep / (1 - self.rate)
+
+
+class DropPathLM(TinyCausalLM):
+    """Healthy stochastic depth on the MLP branch (train stays random with every dropout off); ``eval_off``:
+    eval drops the branch, culprit ``mlp_drop``."""
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, eval_off: bool = False, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.mlp_drop = DropPath(0.2, eval_off)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = h + self.attn(self.norm1(h))
+        h = h + self.mlp_drop(self.mlp(self.norm2(h)))
+        return self.head(h)
+
+
+class BranchOffInEvalLM(DropPathLM):
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden, eval_off=True)
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's attention: the rate read from a config object (no float attribute named dropout on the module),
+    passed to SDPA only in train mode, and an ``nn.Dropout`` on the residual."""
+
+    def __init__(self, hidden: int, config: object) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.config, self.resid_dropout = config, nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                           dropout_p=self.config.attn_p if self.training else 0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class FunctionalDropoutLM(TinyCausalLM):
+    """Healthy: every dropout functional, its rate where the author kept it -- SDPA's dropout_p from a config, a
+    constant ``F.dropout`` in the MLP, ``torch.dropout`` on the embeddings."""
+
+    class Config:
+        attn_p = 0.2
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, **_: object) -> None:
+        super().__init__(vocab_size, hidden)
+        self.attn = NanoGPTAttention(hidden, self.Config())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = torch.dropout(self.embed(input_ids), 0.1, self.training)
+        h = h + self.attn(self.norm1(h))
+        h = h + F.dropout(self.mlp(self.norm2(h)), 0.3, self.training)
+        return self.head(h)
 
 
 class EvalNormalizer(nn.Module):
