@@ -31,6 +31,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | NaNTriage | nan_triage | full |
 | OutcomeMonitor | outcome_monitor | light, full |
 | Preflight | preflight | light, full |
+| TrainMode | train_mode | light, full |
 | GradScaleCheck | grad_scale | always on |
 | ConsistencyCheck | consistency | always on |
 | DeepSpeedWallClock | ds_wall_clock | added under DeepSpeed |
@@ -58,6 +59,7 @@ _MODULES = {
     "LayerHealth": "layer_health",
     "OutcomeMonitor": "outcome_monitor",
     "Preflight": "preflight",
+    "TrainMode": "train_mode",
     "MoERouter": "moe_router",
     "MemoryMonitor": "memory",
     "Throughput": "throughput",

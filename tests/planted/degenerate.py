@@ -92,3 +92,15 @@ class FreezeAll(Callback):
 
         for name, p in pl_module.named_parameters():
             p.requires_grad_(bool(self.keep and re.search(self.keep, name)))
+
+
+class EvalAt(Callback):
+    """A sample printer that calls ``pl_module.eval()`` after the update that makes ``global_step == step`` and never
+    ``train()``: every later training step runs in eval mode (dropout off, norms on running statistics)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            pl_module.eval()
