@@ -32,6 +32,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | OutcomeMonitor | outcome_monitor | light, full |
 | Preflight | preflight | light, full |
 | TrainMode | train_mode | light, full |
+| OptimizerCoverage | optimizer_coverage | light, full |
 | GradScaleCheck | grad_scale | always on |
 | ConsistencyCheck | consistency | always on |
 | DeepSpeedWallClock | ds_wall_clock | added under DeepSpeed |
@@ -60,6 +61,7 @@ _MODULES = {
     "OutcomeMonitor": "outcome_monitor",
     "Preflight": "preflight",
     "TrainMode": "train_mode",
+    "OptimizerCoverage": "optimizer_coverage",
     "MoERouter": "moe_router",
     "MemoryMonitor": "memory",
     "Throughput": "throughput",

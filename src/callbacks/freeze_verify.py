@@ -14,7 +14,7 @@ import torch
 
 from dsdebug.config.args import integer
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import display_name, grad_source
+from dsdebug.callbacks.grad_access import display_name, grad_source, optimizer_param_lrs
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 from dsdebug.distributed import collectives
@@ -309,7 +309,7 @@ class FreezeVerify(DebugCallback):
         if trainer.world_size > 1:  # COLLECTIVE: every rank reaches this at the same global_step
             evidence = collectives.reduce(trainer, evidence, "max").cpu()
         changed, got, nonzero, called = (row.bool().tolist() for row in evidence)
-        lrs = _param_lrs(trainer)
+        lrs = optimizer_param_lrs(trainer)
         by_code: dict[str, list[int]] = {}
         for i, p in enumerate(self._params):
             code = self._diagnose(i, p, changed[i], got[i], nonzero[i], called[i], lrs)
@@ -369,21 +369,3 @@ def _hash(t: torch.Tensor) -> int:
         weights = torch.arange(start, start + bits.numel(), device=bits.device) % 65521 + 1
         total += int((bits * weights).sum())
     return total
-
-
-def _param_lrs(trainer: Any) -> dict[int, float] | None:
-    """id(param) -> lr of the optimizer group holding it; None when the mapping is unknown."""
-    if not trainer.optimizers:
-        return None
-    opt = trainer.optimizers[0]
-    groups = getattr(opt, "param_groups", None) or []
-    for attr in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2, BF16_Optimizer: aligned with param_groups
-        if isinstance(getattr(opt, attr, None), list):
-            return {id(p): g["lr"] for g, ps in zip(groups, getattr(opt, attr)) for p in ps}
-    if hasattr(opt, "trainable_param_groups"):  # ZeRO-3
-        return {id(p): groups[g["_ds_source_param_group_id"]]["lr"]
-                for g in opt.trainable_param_groups for p in g["params"]}
-    if isinstance(opt, torch.optim.Optimizer) and all(isinstance(p, torch.nn.Parameter) or torch.is_tensor(p)
-                                                      for g in groups for p in g["params"]):
-        return {id(p): g["lr"] for g in groups for p in g["params"]}
-    return None

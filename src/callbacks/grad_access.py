@@ -122,3 +122,22 @@ def on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device``, made once (a host-to-device copy waits for the device's stream:
     a per-step sync otherwise). Never write to it."""
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def optimizer_param_lrs(trainer: Any) -> dict[int, float] | None:
+    """id(param) -> lr of the optimizer group holding it (a plain torch optimizer, DeepSpeed ZeRO-1/2/3 and BF16_Optimizer);
+    None when the mapping is unknown. Local: no collective."""
+    if not trainer.optimizers:
+        return None
+    opt = trainer.optimizers[0]
+    groups = getattr(opt, "param_groups", None) or []
+    for attr in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2, BF16_Optimizer: aligned with param_groups
+        if isinstance(getattr(opt, attr, None), list):
+            return {id(p): g["lr"] for g, ps in zip(groups, getattr(opt, attr)) for p in ps}
+    if hasattr(opt, "trainable_param_groups"):  # ZeRO-3
+        return {id(p): groups[g["_ds_source_param_group_id"]]["lr"]
+                for g in opt.trainable_param_groups for p in g["params"]}
+    if isinstance(opt, torch.optim.Optimizer) and all(isinstance(p, torch.nn.Parameter) or torch.is_tensor(p)
+                                                      for g in groups for p in g["params"]):
+        return {id(p): g["lr"] for g in groups for p in g["params"]}
+    return None

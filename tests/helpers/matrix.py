@@ -51,6 +51,7 @@ CASES: dict[str, tuple[list[str], str | None]] = {
     "all_frozen": ([_PLANT + "FreezeAll"], None),
     "all_labels_ignored": ([_PLANT + "AllLabelsIgnored"], "data_inspector/labels_all_ignored"),
     "eval_mode_left": ([_PLANT + "EvalAt", "+callbacks.plant.step=1"], "train_mode/eval_mode_in_training"),
+    "param_outside_optimizer": ([_PLANT + "WeightOutsideOptimizer"], "optimizer_coverage/not_in_optimizer"),
     "zero_loss": ([_PLANT + "LossAt", "+callbacks.plant.kind=zero", "+callbacks.plant.every=true"],
                   "outcome_monitor/loss_implausibly_low"),
     "batch_of_one": (["data.batch_size=1"], None),

@@ -26,7 +26,7 @@ from dsdebug.findings.incidents import cause_of
 from tests.helpers.matrix import CASES, PRESETS, STRATEGIES, cell_id, overrides, run_worker
 
 RESUMABLE = [c for c in CASES if c != "all_frozen"]  # a model with nothing to train is refused: no checkpoint
-FAST_2RANK_CASES = ("nan_in_one_ranks_batch", "lr_3", "all_labels_ignored", "eval_mode_left", "batch_of_one", "seq_len_2",
+FAST_2RANK_CASES = ("nan_in_one_ranks_batch", "lr_3", "all_labels_ignored", "eval_mode_left", "param_outside_optimizer", "batch_of_one", "seq_len_2",
                     "one_step")
 
 
