@@ -1,6 +1,6 @@
 # make train: set up .venv and train the default model (tiny DeepSeek-V3, KJV text, CPU) with debug=light.
 # make test:  set up .venv and run the fast tier (pytest -m "not slow"; <= 15 min on 2 cores).
-# make test-all: every test (CI runs it: .ci/run). Tiers, times, one test/one file: docs/testing.md.
+# make test-all: what CI runs (.ci/run): the fast tier + the slow tests of tests/tiers.py. Tiers: docs/testing.md.
 # On a CPU-only machine constraints.txt's torch==2.13.0 is the CPU build (from the local wheel cache or
 # TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu). GPU users: see README.
 PYTHON ?= python3
@@ -38,7 +38,7 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m "not extended" --durations=25 $(PYTEST_ARGS)
 
-# the rest of the matrices whose covering subset test-all runs (docs/testing.md); not in CI
+# every slow test CI does not run (tests/tiers.py; docs/testing.md): before a release
 test-extended: setup
 	$(PY) -m pytest -q -m extended --durations=25 $(PYTEST_ARGS)
 

@@ -43,7 +43,18 @@ _collected: dict[str, int] = {}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    _collected["all"] = len(items)  # before -m deselects
+    """Before -m deselects: counts every test, and marks ``extended`` each ``slow`` test CI does not run
+    (tests/tiers.py)."""
+    from tests.tiers import TEST_ALL_SLOW, in_test_all, unmatched
+
+    _collected["all"] = len(items)
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("extended") and not in_test_all(item.nodeid):
+            item.add_marker(pytest.mark.extended)
+    stale = unmatched([item.nodeid for item in items if item.get_closest_marker("slow")])
+    if len(items) > 1000 and stale:  # the whole suite was collected: a pattern that names no slow test is stale
+        raise pytest.UsageError(f"tests/tiers.py: TEST_ALL_SLOW patterns that match no slow test: {stale} "
+                                f"(of {len(TEST_ALL_SLOW)}); a renamed test would silently leave CI")
 
 
 def pytest_report_collectionfinish(config, items):
