@@ -288,7 +288,10 @@ class GradMonitor(DebugCallback):
             "op, lower the LR, check fp16 loss scaling and the batch",
             {"params": names[:50], "count": len(bad), "layers": layers, "nonfinite_loss_ranks": bad_loss_ranks,
              "params_finite_before_update": params_finite if step == trainer.global_step else None,
-             "params_finite_when_read": params_finite, "batch_idx": batch},
+             "params_finite_when_read": params_finite, "batch_idx": batch,
+             # arisen in backward: the first non-finite parameter is where to look (the incident's headline); from a
+             # non-finite loss, every parameter downstream is non-finite and none is named
+             "param": None if bad_loss_ranks else first},
             rank=bad_loss_ranks[0] if len(bad_loss_ranks) == 1 else None, step=step)
 
     def _report_large(self, trainer: Any, pl_module: Any, code: str, severity: str, norm: float,

@@ -21,6 +21,12 @@ Grouping (warnings and errors only; info findings are not incidents):
   first in forward order (``details.forward_index``), then the origin rank;
 - the **evidence**: every other finding of the incident, collapsed by ``check/code`` with a count,
   the steps and the ranks;
+- a **consequence** (``_CONSEQUENCES``: parameters that did not learn, a layer whose updates are negligible) joins
+  the incident of its cause when a finding of that cause falls in the steps it judged: every update was skipped
+  for non-finite gradients, so nothing learned, and the advice to read is the cause's;
+- the root prefers the finding that names the module or parameter (``details.module/layer/param``) among those
+  of the earliest step: one planted NaN in a gradient hook is headed by grad_monitor's finding naming the
+  parameter, not by a rerun that can only say "it arose in backward";
 - a **diagnosis** (a finding whose ``details.explains`` lists causes: the advisor's ``lr_too_high`` reads the
   configured LR against its usual range and the curves the checks saw) takes those causes' findings into
   its own incident and is its root: the LR far too high is why the loss spiked, the gradients exploded and
@@ -60,6 +66,12 @@ _TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ra
 _ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout",  # by the root's code
                 "lr_too_high": "learning rate far above its usual range"}
 DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
+# (check, code) -> the cause whose incident it is a consequence of, when a finding of that cause falls in the steps
+# it judged: parameters that "did not learn" over steps whose updates were skipped for non-finite gradients
+_CONSEQUENCES: dict[tuple[str, str], str] = {
+    ("freeze_verify", "not_updated"): "nonfinite",
+    ("layer_health", "layer_update_negligible"): "nonfinite",
+}
 
 
 def _nonfinite_value(value: Any) -> bool:
@@ -160,6 +172,20 @@ def _explains(record: dict[str, Any]) -> list[str]:
     return [str(c) for c in explains] if isinstance(explains, list) else []
 
 
+def _locates(details: dict[str, Any]) -> bool:
+    """Whether a finding names where its cause arose (a module, a layer or a parameter)."""
+    return any(details.get(key) for key in ("module", "layer", "param", "parameter"))
+
+
+def _window(record: dict[str, Any]) -> tuple[int, int] | None:
+    """The steps a finding judged: ``details.steps`` steps up to its own step (freeze_verify's window)."""
+    details = record.get("details") if isinstance(record.get("details"), dict) else {}
+    step, steps = record.get("step"), details.get("steps")
+    if not isinstance(step, int):
+        return None
+    return (step - steps if isinstance(steps, int) else 0, step)
+
+
 def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     order = _ROOT_ORDER.get(cause, ())
     check = record.get("check")
@@ -171,6 +197,7 @@ def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     return (not _explains(record),  # a diagnosis is the root of what it explains
             check in DERIVED_CHECKS,
             step if isinstance(step, int) else unknown,
+            not _locates(details),  # the finding that names the module or parameter heads the incident
             order.index(check) if check in order else len(order),
             not details.get("module"),
             forward if isinstance(forward, int) else math.inf,
@@ -190,6 +217,17 @@ def group(records: Iterable[dict[str, Any]]) -> list[Incident]:
     for record in loud:
         own = cause_of(record)
         by_cause.setdefault(own if _explains(record) else absorbed.get(own, own), []).append(record)
+    for key, cause in _CONSEQUENCES.items():  # a consequence joins its cause's incident, under its cause's advice
+        target = absorbed.get(cause, cause)
+        window_of = {id(r): _window(r) for r in by_cause.get(f"{key[0]}/{key[1]}", [])}
+        steps = [r.get("step") for r in by_cause.get(target, []) if cause_of(r) == cause]
+        for record in list(by_cause.get(f"{key[0]}/{key[1]}", [])):
+            window = window_of[id(record)]
+            if window and any(isinstance(s, int) and window[0] <= s <= window[1] for s in steps):
+                by_cause[f"{key[0]}/{key[1]}"].remove(record)
+                by_cause[target].append(record)
+        if not by_cause.get(f"{key[0]}/{key[1]}", True):
+            del by_cause[f"{key[0]}/{key[1]}"]
     incidents = []
     for cause, members in by_cause.items():
         ordered = sorted(members, key=lambda r: _root_key(cause, r))

@@ -123,3 +123,29 @@ def test_one_planted_nonfinite_value_is_one_incident_naming_where_it_arose(varia
     assert lines[1].startswith(f"ERROR   non-finite values from step 1 in {where} on rank 0")
     assert lines[-1].startswith("verdict: 1 incident (1 error); worst: non-finite values from step 1 in "
                                 f"{where}") and lines[-1].endswith(f"report: {run_dir / 'report.html'}")
+
+
+def test_a_nan_from_a_gradient_hook_is_one_incident_headed_by_the_parameter(tmp_path, shared_cache):
+    """A hook puts a NaN in mlp.0.weight's gradient at every step, grad_monitor skips each update: grad_monitor names
+    the parameter, nan_triage can only say "it arose in backward", and freeze_verify finds that nothing learned
+    (every update was skipped). One incident, headed by the finding that names the parameter, with the parameters
+    that did not learn as its evidence -- not a second incident advising a higher LR (issue 34)."""
+    from dsdebug.findings.incidents import group
+
+    run_dir = tmp_path / "run"
+    train_in_process([*SMOKE, *TINY_NET, "trainer.max_steps=5", "trainer.val_check_interval=100", "strategy=ddp",
+                      "export.fp32=false", "export.hf=false",
+                      "+callbacks=[nan_triage,grad_monitor,loss_spike,freeze_verify]",
+                      "callbacks.grad_monitor.on_error=skip",
+                      "+callbacks.nan._target_=tests.planted.grads.CorruptGrad", "+callbacks.nan.param=mlp.0.weight",
+                      "+callbacks.nan.step=0", "+callbacks.nan.every=true"], run_dir, shared_cache)
+    records = read_findings(run_dir)
+    loud = [r for r in records if r["severity"] != "info"]
+    assert {(r["check"], r["code"]) for r in loud} >= {("grad_monitor", "nonfinite_grad"),
+                                                      ("freeze_verify", "not_updated")}, loud
+    incidents = group(records)
+    assert len(incidents) == 1, [(i.title(), i.source()) for i in incidents]
+    incident = incidents[0]
+    assert incident.source() == "grad_monitor/nonfinite_grad" and incident.where == "mlp.0.weight", incident.title()
+    assert incident.title() == "non-finite values from step 0 in mlp.0.weight"
+    assert ("freeze_verify", "not_updated") in {(e.check, e.code) for e in incident.evidence}

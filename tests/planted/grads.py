@@ -26,15 +26,19 @@ class CorruptGrad(Callback):
     """At ``step`` (on ``rank``, None = every rank) the gradient of ``param`` gets one NaN
     element (``mode=nan``) or is multiplied by ``factor`` (``mode=scale``), before any reduction."""
 
-    def __init__(self, param: str, step: int, mode: str = "nan", factor: float = 1e6, rank: int | None = None):
+    def __init__(self, param: str, step: int, mode: str = "nan", factor: float = 1e6, rank: int | None = None,
+                 every: bool = False):
+        """``every``: at every step from ``step`` on (a broken hook), not at that step only."""
         self.param, self.step, self.mode, self.factor, self.rank = param, step, mode, factor, rank
+        self.every = every
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.trainer = trainer
         _named(pl_module)[self.param].register_hook(self._corrupt)
 
     def _corrupt(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.trainer.global_step != self.step or self.rank not in (None, self.trainer.global_rank):
+        at = self.trainer.global_step >= self.step if self.every else self.trainer.global_step == self.step
+        if not at or self.rank not in (None, self.trainer.global_rank):
             return grad
         if self.mode == "scale":
             return grad * self.factor

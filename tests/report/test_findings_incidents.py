@@ -132,3 +132,36 @@ def test_report_opens_with_the_verdict_and_shows_incidents(tmp_path):
     (tmp_path / "crash.json").write_text(json.dumps({"status": "crashed", "exit_code": 1}))
     _, md = write_report(tmp_path)
     assert md.read_text().splitlines()[2] == "verdict: crashed; no check reported a warning or error"
+
+
+def hook_nan() -> list[dict]:
+    """A NaN put in blocks.1.weight's gradient by a hook at every step, each update skipped: grad_monitor names the
+    parameter, nan_triage's rerun only says it arose in backward, freeze_verify finds that nothing learned."""
+    records = [rec("nan_triage", "nan_reproducible", step=0, rank=0, module=None, arose_in="backward",
+                   message="finite loss on every rank but non-finite gradients: it arose in backward")]
+    records += [rec("grad_monitor", "nonfinite_grad", step=s, param="blocks.1.weight",
+                    params=["blocks.1.weight"], message="NaN gradient in blocks.1.weight ... arose in backward")
+                for s in range(0, 10)]
+    records.append(rec("freeze_verify", "not_updated", step=3, steps=3, params=["blocks.0.weight", "blocks.1.weight"],
+                       message="9 parameter(s) did not learn in 3 steps"))
+    return records
+
+
+def test_the_finding_naming_the_parameter_heads_the_incident_and_nothing_learned_is_its_consequence():
+    incidents = group(hook_nan())
+    assert len(incidents) == 1, [(i.title(), i.source()) for i in incidents]
+    incident = incidents[0]
+    assert incident.source() == "grad_monitor/nonfinite_grad"
+    assert incident.title() == "non-finite values from step 0 in blocks.1.weight"
+    evidence = {(e.check, e.code): e for e in incident.evidence}
+    assert evidence[("freeze_verify", "not_updated")].steps == [3]
+    assert evidence[("nan_triage", "nan_reproducible")].count == 1
+
+
+def test_nothing_learned_before_any_nonfinite_step_is_its_own_incident():
+    records = [r for r in hook_nan() if r["check"] != "freeze_verify"]
+    for r in records:  # the NaN starts at step 10 now
+        r["step"] += 10
+    records.append(rec("freeze_verify", "not_updated", step=3, steps=3, message="did not learn in 3 steps"))
+    incidents = group(records)
+    assert sorted(i.source() for i in incidents) == ["freeze_verify/not_updated", "grad_monitor/nonfinite_grad"]
