@@ -141,3 +141,19 @@ def optimizer_param_lrs(trainer: Any) -> dict[int, float] | None:
                                                       for g in groups for p in g["params"]):
         return {id(p): g["lr"] for g in groups for p in g["params"]}
     return None
+
+
+def run_clip(trainer: Any) -> float | None:
+    """The gradient-norm clip threshold the run applies: a DeepSpeed config's ``gradient_clipping`` (optim.grad_clip
+    becomes it), else the Trainer's ``gradient_clip_val`` (norm clipping only); None without clipping."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
+        value = (trainer.strategy.config or {}).get("gradient_clipping")
+    else:
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
+        value = trainer.gradient_clip_val if "norm" in algorithm else None
+    try:
+        return float(value) if value else None
+    except (TypeError, ValueError):  # "auto" left unresolved: not a number to judge against
+        return None

@@ -15,13 +15,16 @@ from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number, optional
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, run_clip,
                                             local_grad, local_param, sumsq_per_tensor)
 from dsdebug.callbacks.loss_scale import OverflowJudge, read_scaler
 
 __all__ = ["GradMonitor"]
 
 log = logging.getLogger(__name__)
+
+
+CLIP_STEPS = 5  # finite steps in a row whose norm is judged against the clip threshold
 
 
 class GradMonitor(DebugCallback):
@@ -79,6 +82,7 @@ class GradMonitor(DebugCallback):
     | ``grad_exploding`` | error | global norm > ``max_norm`` (every step) |
     | ``grad_spike`` | warning | norm > max(``spike_min_ratio`` x EMA, EMA + ``spike_factor`` x std), after ``warmup_steps``; before: norm > ``early_factor`` x the median of the healthy norms so far (>= 3 steps) |
     | ``vanishing_grad`` | warning | a trainable layer's norm < ``vanish_threshold`` (at the cadence, after warm-up) |
+    | ``clip_dominates`` | warning | the global norm of 5 steps in a row is >= ``clip_shrink`` x the clip threshold (``optim.grad_clip`` / a ds_config's ``gradient_clipping``): clipping shrinks every update by orders of magnitude, the LR acts as LR / that factor (judged from the first steps) |
     | ``grad_summary`` | info | at the end: steps checked, largest norm, anomaly counts |
 
     Resume (``state_attrs``, from all-reduced norms, alike on every rank): the EMA mean/variance of the
@@ -87,13 +91,14 @@ class GradMonitor(DebugCallback):
     """
     name = "grad_monitor"
     state_attrs = ("_ema_mean", "_ema_var", "_healthy_seen", "_vanished", "_counts", "_checked", "_largest",
-                   "_early_norms")
+                   "_early_norms", "_clip_ratios")
 
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,
                  spike_min_ratio: float = 3.0, ema_beta: float = 0.95, warmup_steps: int = 50,
                  vanish_threshold: float = 1.0e-8, histogram_every_n_steps: int = 100,
                  log_param_norms: bool = False, max_findings_per_code: int = 5, on_error: str = "warn",
-                 early_factor: float = 10.0, read_every_n_steps: int | None = None) -> None:
+                 early_factor: float = 10.0, read_every_n_steps: int | None = None,
+                 clip_shrink: float = 100.0) -> None:
         super().__init__(on_error=on_error)
         if on_error != "warn" and read_every_n_steps not in (None, 1):
             raise ConfigError(f"callbacks.{self.name}.read_every_n_steps={read_every_n_steps} does not work with "
@@ -113,10 +118,13 @@ class GradMonitor(DebugCallback):
             histogram_every_n_steps=(histogram_every_n_steps, integer(0, note="0 = off")),
             max_findings_per_code=(max_findings_per_code, integer(1)),
             early_factor=(early_factor, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
+            clip_shrink=(clip_shrink, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
             read_every_n_steps=(read_every_n_steps, optional(integer(1), "auto: 10 with on_error=warn, 1 with skip "
                                                                           "or stop")),
         )
-        self.early_factor = float(early_factor)
+        self.early_factor, self.clip_shrink = float(early_factor), float(clip_shrink)
+        self._clip: float | None = None  # the run's clip threshold (on_fit_start)
+        self._clip_ratios: list[float] = []  # global norm / clip of the last CLIP_STEPS finite steps
         self._early_norms: list[float] = []  # the healthy norms before warm-up (the early rule's reference)
         self.every_n_steps, self.max_norm = every_n_steps, float(max_norm)
         self.spike_factor, self.spike_min_ratio = float(spike_factor), float(spike_min_ratio)
@@ -149,6 +157,7 @@ class GradMonitor(DebugCallback):
         self._tensorboard = any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers)
         self._scaler = read_scaler(trainer)  # fp16: DeepSpeed's gradients are still loss-scaled in the hook
         self._overflow = OverflowJudge(self._scaler, resumed=trainer.global_step > 0)
+        self._clip = run_clip(trainer)
         log.info("grad_monitor: %d trainable parameters in %d layers, gradients from %s", len(self._params),
                  len(self._layers), self._source)
 
@@ -225,8 +234,27 @@ class GradMonitor(DebugCallback):
                                f"{self.early_factor:g}; the EMA judges from step {self.warmup_steps})", step, batch)
         else:
             self._update_ema(norm)
+        self._judge_clip(trainer, pl_module, norm, step)
         if grads is not None:  # a metrics step: the queue was read at it, so these are its gradients
             self._cadence(trainer, pl_module, grads, norm, sq, layer_sq)
+
+    def _judge_clip(self, trainer: Any, pl_module: Any, norm: float, step: int) -> None:
+        """Clipping that shrinks every update: the norm of CLIP_STEPS finite steps in a row >= clip_shrink x the clip
+        threshold. Once per run (the ratio is in details and the grad/norm metrics)."""
+        if not self._clip or not self.clip_shrink or self._counts.get("clip_dominates"):
+            return
+        self._clip_ratios = (self._clip_ratios + [norm / self._clip])[-CLIP_STEPS:]
+        if len(self._clip_ratios) < CLIP_STEPS or min(self._clip_ratios) < self.clip_shrink:
+            return
+        shrink = sorted(self._clip_ratios)[CLIP_STEPS // 2]
+        self._emit(trainer, pl_module, "warning", "clip_dominates",
+                   f"the gradient norm of the last {CLIP_STEPS} steps (median {shrink * self._clip:.3g}) is {shrink:.3g}x "
+                   f"the clip threshold {self._clip:g}: clipping shrinks every update by orders of magnitude, so the "
+                   f"run trains as if its LR were {shrink:.3g}x smaller",
+                   f"raise optim.grad_clip (or the ds_config's gradient_clipping) to about the norm (~{shrink * self._clip:.2g}), "
+                   "or find why the gradients are this large (the loss's scale, a missing normalisation)",
+                   {"clip": self._clip, "median_norm": shrink * self._clip, "shrink": shrink,
+                    "ratios": list(self._clip_ratios)}, rank=None, step=step)
 
     def _sumsq(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """Per-parameter sums of squares of the unscaled gradients, where they live (no host read)."""

@@ -161,3 +161,27 @@ def test_sums_of_squares_per_tensor_make_no_copy_per_step():
         sumsq_per_tensor([a, None, b])
     after = on_device.cache_info()
     assert after.misses - before.misses <= 1 and after.hits - before.hits >= 4
+
+
+@pytest.mark.parametrize("strategy, clip", [("ddp", "optim.grad_clip=1.0e-5"),  # Lightning clips (gradient_clip_val)
+                                            ("zero2", "optim.grad_clip=1.0e-5")])  # DeepSpeed's gradient_clipping
+def test_clipping_that_shrinks_every_update_is_named_with_the_key(strategy, clip, tmp_path, shared_cache):
+    """Issue 34: a clip threshold orders of magnitude below the gradient norm shrinks every update (the run trains as
+    with a far smaller LR) and nothing said so outside doctor=true. Named within the first 5 steps."""
+    from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
+
+    run_dir = tmp_path / "run"
+    out = train_in_process([*SMOKE, *TINY_NET, "trainer.max_steps=6", f"strategy={strategy}", clip,
+                            "+callbacks=grad_monitor"], run_dir, shared_cache)
+    assert out["status"] == "completed"
+    f = one(read_findings(run_dir, "grad_monitor"), "clip_dominates")
+    assert f["severity"] == "warning" and f["step"] == 4 and f["details"]["clip"] == pytest.approx(1e-5), f
+    assert f["details"]["shrink"] > 1e4 and "optim.grad_clip" in f["advice"], f
+
+
+def test_the_default_clip_on_a_healthy_run_says_nothing(tmp_path, shared_cache):
+    from tests.helpers.runs import SMOKE, TINY_NET, train_in_process
+
+    run_dir = tmp_path / "run"
+    train_in_process([*SMOKE, *TINY_NET, "trainer.max_steps=6", "+callbacks=grad_monitor"], run_dir, shared_cache)
+    assert not [r for r in read_findings(run_dir, "grad_monitor") if r["code"] == "clip_dominates"]
