@@ -247,13 +247,14 @@ class GradMonitor(DebugCallback):
         if len(self._clip_ratios) < CLIP_STEPS or min(self._clip_ratios) < self.clip_shrink:
             return
         shrink = sorted(self._clip_ratios)[CLIP_STEPS // 2]
+        median = shrink * self._clip
         self._emit(trainer, pl_module, "warning", "clip_dominates",
-                   f"the gradient norm of the last {CLIP_STEPS} steps (median {shrink * self._clip:.3g}) is {shrink:.3g}x "
-                   f"the clip threshold {self._clip:g}: clipping shrinks every update by orders of magnitude, so the "
-                   f"run trains as if its LR were {shrink:.3g}x smaller",
-                   f"raise optim.grad_clip (or the ds_config's gradient_clipping) to about the norm (~{shrink * self._clip:.2g}), "
-                   "or find why the gradients are this large (the loss's scale, a missing normalisation)",
-                   {"clip": self._clip, "median_norm": shrink * self._clip, "shrink": shrink,
+                   f"the gradient norm of the last {CLIP_STEPS} steps (median {median:.3g}) is {shrink:.3g}x the clip "
+                   f"threshold {self._clip:g}: clipping shrinks every update by orders of magnitude, so the run trains "
+                   f"as if its LR were {shrink:.3g}x smaller",
+                   f"raise optim.grad_clip (or the ds_config's gradient_clipping) to about the norm (~{median:.2g}), or "
+                   "find why the gradients are this large (the loss's scale, a missing normalisation)",
+                   {"clip": self._clip, "median_norm": median, "shrink": shrink,
                     "ratios": list(self._clip_ratios)}, rank=None, step=step)
 
     def _sumsq(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
