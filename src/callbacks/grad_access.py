@@ -152,7 +152,7 @@ def run_clip(trainer: Any) -> float | None:
         value = (trainer.strategy.config or {}).get("gradient_clipping")
     else:
         algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
-        value = trainer.gradient_clip_val if "norm" in algorithm else None
+        value = getattr(trainer, "gradient_clip_val", None) if "norm" in algorithm else None
     try:
         return float(value) if value else None
     except (TypeError, ValueError):  # "auto" left unresolved: not a number to judge against

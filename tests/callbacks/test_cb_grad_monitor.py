@@ -185,3 +185,16 @@ def test_the_default_clip_on_a_healthy_run_says_nothing(tmp_path, shared_cache):
     run_dir = tmp_path / "run"
     train_in_process([*SMOKE, *TINY_NET, "trainer.max_steps=6", "+callbacks=grad_monitor"], run_dir, shared_cache)
     assert not [r for r in read_findings(run_dir, "grad_monitor") if r["code"] == "clip_dominates"]
+
+
+@pytest.mark.parametrize("attrs,expected", [
+    ({}, None),  # a trainer-like object without clip settings (a custom loop, a test double): no clip, no error
+    ({"gradient_clip_val": None}, None),
+    ({"gradient_clip_val": 0.5}, 0.5),
+    ({"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, None),  # value clipping has no norm threshold
+    ({"gradient_clip_val": "auto"}, None),
+])
+def test_run_clip_reads_the_trainers_norm_clip_and_tolerates_its_absence(attrs, expected):
+    from dsdebug.callbacks.grad_access import run_clip
+
+    assert run_clip(SimpleNamespace(strategy=object(), **attrs)) == expected
