@@ -24,6 +24,7 @@ Used outside the framework (a plain ``L.Trainer``): docs/standalone.md.
 | ReplicaParity | replica_parity | full |
 | LossSpike | loss_spike | light, full |
 | LayerHealth | layer_health | full |
+| WeightNorm | weight_norm | full |
 | MoERouter | moe_router | light, full |
 | MemoryMonitor | memory | light, full |
 | Throughput | throughput | light, full |
@@ -58,6 +59,7 @@ _MODULES = {
     "ReplicaParity": "replica_parity",
     "LossSpike": "loss_spike",
     "LayerHealth": "layer_health",
+    "WeightNorm": "weight_norm",
     "OutcomeMonitor": "outcome_monitor",
     "Preflight": "preflight",
     "TrainMode": "train_mode",

@@ -124,23 +124,70 @@ def on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def optimizer_param_lrs(trainer: Any) -> dict[int, float] | None:
-    """id(param) -> lr of the optimizer group holding it (a plain torch optimizer, DeepSpeed ZeRO-1/2/3 and BF16_Optimizer);
-    None when the mapping is unknown. Local: no collective."""
+def optimizer_param_groups(trainer: Any) -> dict[int, dict] | None:
+    """id(param) -> the optimizer param group holding it (its ``lr``, ``weight_decay``, ...: a plain torch optimizer,
+    DeepSpeed ZeRO-1/2/3 and BF16_Optimizer, whose ``param_groups`` are the base optimizer's); None when the mapping
+    is unknown. Local: no collective."""
     if not trainer.optimizers:
         return None
     opt = trainer.optimizers[0]
     groups = getattr(opt, "param_groups", None) or []
     for attr in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2, BF16_Optimizer: aligned with param_groups
         if isinstance(getattr(opt, attr, None), list):
-            return {id(p): g["lr"] for g, ps in zip(groups, getattr(opt, attr)) for p in ps}
+            return {id(p): g for g, ps in zip(groups, getattr(opt, attr)) for p in ps}
     if hasattr(opt, "trainable_param_groups"):  # ZeRO-3
-        return {id(p): groups[g["_ds_source_param_group_id"]]["lr"]
+        return {id(p): groups[g["_ds_source_param_group_id"]]
                 for g in opt.trainable_param_groups for p in g["params"]}
     if isinstance(opt, torch.optim.Optimizer) and all(isinstance(p, torch.nn.Parameter) or torch.is_tensor(p)
                                                       for g in groups for p in g["params"]):
-        return {id(p): g["lr"] for g in groups for p in g["params"]}
+        return {id(p): g for g in groups for p in g["params"]}
     return None
+
+
+def optimizer_param_lrs(trainer: Any) -> dict[int, float] | None:
+    """id(param) -> lr of the optimizer group holding it (``optimizer_param_groups``); None when unknown."""
+    groups = optimizer_param_groups(trainer)
+    return None if groups is None else {k: g["lr"] for k, g in groups.items()}
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The optimizer that does the update under DeepSpeed's wrappers (ZeRO, BF16_Optimizer, FP16_Optimizer hold it
+    as ``.optimizer``); a torch optimizer is its own."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "optimizer", None) is not None \
+            and seen < 4:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+# adaptive optimizers whose weight_decay is an L2 term added to the gradient before the update normalises it
+_COUPLED_L2 = ("Adam", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop")
+
+
+def decay_coupled(optimizer: Any, group: dict) -> bool:
+    """Whether ``group``'s weight_decay is L2 coupled to an adaptive update (``torch.optim.Adam(weight_decay=...)``,
+    DeepSpeed's FusedAdam / DeepSpeedCPUAdam with ``adam_w_mode=False``): the decay term is normalised with the
+    gradient, so each weight moves toward 0 by up to ``lr`` per step whatever its size. False for AdamW-style
+    (decoupled: ``w *= 1 - lr * wd``) and for SGD (coupled, not normalised: the same shrink)."""
+    if not group.get("weight_decay") or group.get("decoupled_weight_decay"):
+        return False
+    base = base_optimizer(optimizer)
+    for attr in ("adam_w_mode", "adamw_mode"):  # DeepSpeed's FusedAdam, DeepSpeedCPUAdam
+        if hasattr(base, attr):
+            return not getattr(base, attr)
+    return type(base).__name__ in _COUPLED_L2
+
+
+def unpadded(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    """ZeRO-3 partitions are padded (ds_tensor's tail is uninitialised memory): this rank's real part of ``t``
+    (p's local gradient or weight partition); other tensors as they are."""
+    if t is None or not hasattr(p, "ds_tensor"):
+        return t
+    import deepspeed.comm as dist
+
+    part = p.ds_tensor.ds_numel
+    start = part * (dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0)
+    return t.reshape(-1).narrow(0, 0, max(0, min(part, p.ds_numel - start, t.numel())))
 
 
 def run_clip(trainer: Any) -> float | None:

@@ -17,7 +17,8 @@ from dsdebug.distributed import collectives
 from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
-                                            local_grad, local_param, on_device, sumsq_per_tensor)
+                                            local_grad, local_param, on_device, sumsq_per_tensor,
+                                            unpadded as _valid)
 from dsdebug.callbacks.loss_scale import read_scaler
 
 __all__ = ["LayerHealth"]
@@ -383,17 +384,6 @@ def _column_medians(rows: deque, n: int) -> list[float | None]:
 def _values(x: torch.Tensor | list[float]) -> list[float]:
     """Per-layer values as a list (the queue's rows are read once, as lists; tests pass tensors)."""
     return x if isinstance(x, list) else x.tolist()
-
-
-def _valid(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
-    """ZeRO-3 partitions are padded (ds_tensor's tail is uninitialised memory): keep this rank's real part."""
-    if t is None or not hasattr(p, "ds_tensor"):
-        return t
-    import deepspeed.comm as dist
-
-    part = p.ds_tensor.ds_numel
-    start = part * (dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0)
-    return t.reshape(-1).narrow(0, 0, max(0, min(part, p.ds_numel - start, t.numel())))
 
 
 _sumsq = sumsq_per_tensor  # grad_access.py: per tensor, on the device

@@ -64,7 +64,8 @@ CHECK_CLASSES = {"reproducibility": "Reproducibility", "comm_debug": "CommDebug"
                  "memory": "MemoryMonitor", "throughput": "Throughput", "mixed_precision": "MixedPrecisionCheck",
                  "nan_triage": "NaNTriage", "grad_scale": "GradScaleCheck", "consistency": "ConsistencyCheck",
                  "outcome_monitor": "OutcomeMonitor", "model_graph": "ModelGraph", "preflight": "Preflight",
-                 "packing": "PackingCheck", "train_mode": "TrainMode", "optimizer_coverage": "OptimizerCoverage"}
+                 "packing": "PackingCheck", "train_mode": "TrainMode", "optimizer_coverage": "OptimizerCoverage",
+                 "weight_norm": "WeightNorm"}
 
 
 def in_plain_words(finding: dict[str, Any]) -> dict[str, Any]:

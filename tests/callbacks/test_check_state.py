@@ -36,6 +36,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "GradMonitor": {"_ema_mean": 1.25, "_ema_var": 0.5, "_healthy_seen": 17, "_vanished": {"model.layers.1"},
                     "_counts": {"grad_spike": 2}, "_checked": 20, "_largest": (3.5, 12),
                     "_early_norms": [0.8, 1.1, 0.95], "_clip_ratios": [150.0, 210.5]},
+    "WeightNorm": {"_first": [1.5, None], "_prev": [0.75, None], "_falling": [3, 0], "_named": [2, 0],
+                   "_decay_log": [-0.25, 0.0], "_lowest": [0.5, None], "_checks": 9, "_counts": {"weight_collapse": 1}},
     "LayerHealth": {"_low_grad": [0, 2], "_low_update": [1, 0], "_seen": [5, 4], "_log_ema": [-1.5, 0.25],
                     "_exploding": {1}, "_counts": {"layer_grad_exploding": 1},
                     "_closest": {"min_grad_rel": 0.01, "min_update_rel": math.inf, "max_explode_ratio": 2.0},

@@ -29,7 +29,7 @@ from tests.helpers.findings import read_findings
 
 STEPS = 200
 FORENSICS = {"replica_parity", "loss_spike", "layer_health", "moe_router", "memory", "throughput",
-             "mixed_precision", "nan_triage", "outcome_monitor"}
+             "mixed_precision", "nan_triage", "outcome_monitor", "weight_norm"}
 LONG = SMOKE + [
     "trainer=ddp_sim", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=100",
     "trainer.limit_val_batches=2", "trainer.log_every_n_steps=10", "data.max_tokens=null",

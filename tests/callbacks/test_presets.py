@@ -16,7 +16,7 @@ PRESETS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 SEVEN = {"reproducibility", "comm_debug", "grad_monitor", "data_inspector", "profiler", "freeze_verify", "log_sync"}
 # the forensics checks: all in debug=full, the cheap ones in debug=light
 FORENSICS = {"replica_parity", "loss_spike", "layer_health", "moe_router", "memory", "throughput", "mixed_precision",
-             "nan_triage", "outcome_monitor", "preflight", "train_mode", "optimizer_coverage"}
+             "nan_triage", "outcome_monitor", "preflight", "train_mode", "optimizer_coverage", "weight_norm"}
 FORENSICS_LIGHT = {"loss_spike", "moe_router", "memory", "throughput", "mixed_precision", "outcome_monitor",
                    "preflight", "train_mode", "optimizer_coverage"}
 

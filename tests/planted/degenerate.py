@@ -14,6 +14,8 @@ config: ``+callbacks.plant._target_=tests.planted.degenerate.LossAt +callbacks.p
   zero counted tokens is 0/0).
 - ``FreezeAll(keep=None)``: every parameter (but those matching ``keep``) has ``requires_grad=False`` before
   the optimizer is built.
+- ``ShrinkWeights(match, factor)``: a weight 'decay' written by hand after every step (``p.mul_(factor)`` on the
+  weight matrices whose name holds ``match``), outside the optimizer.
 """
 
 from __future__ import annotations
@@ -121,6 +123,44 @@ class WeightOutsideOptimizer(Callback):
             if getattr(module, "logit_scale", None) is None:
                 module.logit_scale = torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype,
                                                 requires_grad=True)
+            scaled = logits * module.logit_scale
+            if hasattr(out, "logits"):
+                out.logits = scaled
+                return out
+            return scaled
+
+        net.register_forward_hook(hook)
+
+
+class ShrinkWeights(Callback):
+    """A hand-written weight 'decay' after every optimizer step that forgot the LR: each weight matrix whose name
+    contains ``match`` is multiplied by ``factor`` in place (``p.data.mul_``), outside the optimizer. Under plain
+    DDP the optimizer's weights are these; under ZeRO the engine's fp32 master copy overwrites them at the next step
+    (so the plant is a DDP one)."""
+
+    def __init__(self, match: str = "", factor: float = 0.8) -> None:
+        self.match, self.factor = match, factor
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            for name, p in pl_module.named_parameters():
+                if self.match in name and p.ndim >= 2:
+                    p.mul_(self.factor)
+
+
+class LateRegisteredParameter(Callback):
+    """The same per-vocabulary logit scale as ``WeightOutsideOptimizer``, registered (``register_parameter``) on the
+    net's first forward, after the optimizer and DeepSpeed's engine were built. ZeRO-3 never partitioned it: its
+    next forward fails inside DeepSpeed (``'Parameter' object has no attribute 'ds_status'``)."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        net = pl_module.net
+
+        def hook(module: Any, args: Any, out: Any) -> Any:
+            logits = out.logits if hasattr(out, "logits") else out
+            if getattr(module, "logit_scale", None) is None:
+                module.register_parameter("logit_scale", torch.nn.Parameter(
+                    torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype)))
             scaled = logits * module.logit_scale
             if hasattr(out, "logits"):
                 out.logits = scaled

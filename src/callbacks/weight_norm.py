@@ -1,0 +1,282 @@
+"""`WeightNorm`: weights that shrink toward zero step after step, judged against the decay the optimizer is set for.
+
+The config example and the table of findings: the class docstring (`WeightNorm`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dsdebug.callbacks.base import DebugCallback
+from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, base_optimizer, decay_coupled, display_name,
+                                            grad_source, local_param, optimizer_param_groups, sumsq_per_tensor,
+                                            unpadded)
+from dsdebug.config.args import integer, number
+from dsdebug.distributed import collectives
+
+__all__ = ["WeightNorm", "decay_cause"]
+
+
+def decay_cause(coupled: bool, lr: float, weight_decay: float, decay_floor: float, ratio: float,
+                one_dim: bool) -> str:
+    """Why a weight's norm fell to ``ratio`` x its start: ``coupled_l2`` (an adaptive optimizer's weight_decay is L2
+    added to the gradient), ``decay`` (the optimizer's decoupled decay alone takes the norm down to ``decay_floor``
+    x by now, at least half of the fall in log terms), ``decay_on_norm`` (the same, on a 1-D norm gain or bias)
+    or ``outside`` (more than the configured decay can give: the loss's gradient or code outside the optimizer)."""
+    if coupled and weight_decay > 0:
+        return "coupled_l2"
+    if weight_decay > 0 and lr > 0 and decay_floor <= math.sqrt(ratio):  # the decay gives half the log-fall
+        return "decay_on_norm" if one_dim else "decay"
+    return "outside"
+
+
+class WeightNorm(DebugCallback):
+    """`WeightNorm`: weights that shrink toward zero step after step, judged against the decay the optimizer is
+    set for.
+
+    A weight whose norm falls and keeps falling trains to nothing while the loss only looks slow:
+    ``torch.optim.Adam(weight_decay=0.1)`` (L2 added to the gradient, which Adam then normalises: each weight moves
+    toward 0 by up to ``lr`` per step, whatever its size; measured on the tiny DeepSeek net: half its norm by step 5,
+    3 % by step 60), an L2 penalty in the loss under Adam (the same, built by hand), a ``weight_decay`` far above the
+    usual 0.01-0.1 or applied to norm gains and biases, a hook or a manual ``p.mul_()`` shrinking weights outside
+    the optimizer. Nothing else names it: layer_health compares layers with each other (every layer shrinks alike),
+    the gradient norm stays healthy.
+
+    How: at each checked step (``every_n_steps``, before the optimizer step) the sum of squares of each trainable
+    parameter's weights is computed where they live (ZeRO-3: each rank's partition; ZeRO-1/2 and DDP: the weights
+    every rank holds) and queued; every ``read_every_n_steps`` steps the queue is all-reduced once and read once
+    (``[N x parameters]``, every rank, in ``on_train_batch_end``) and each step is judged in order. A parameter is
+    named when its norm is below ``collapse_fraction`` x its norm at the first check and fell at each of the last
+    ``patience`` checks (zero-initialised parameters, LoRA's B, are left out). The finding says what the optimizer
+    is set for -- each group's lr x weight_decay per step, coupled or decoupled, accumulated over the run's
+    schedule (host floats, no device read) -- and so which of the causes above it is. A fall the optimizer's
+    settings do not explain is reported once the collapsed parameters hold ``share`` of the trainable weights:
+    alone, a norm gain the loss wants smaller is learning (measured on the tiny DeepSeek under healthy AdamW: some
+    attention norm gains at 0.5x by step 300); it is listed in the summary.
+
+    Example::
+
+        python train.py debug=full                                 # on in full
+        python train.py +callbacks=weight_norm callbacks.weight_norm.collapse_fraction=0.3
+
+    | finding code | severity | when |
+    |---|---|---|
+    | ``weight_collapse`` | error (the collapsed parameters hold >= ``share`` of the trainable weights), else warning | norm < ``collapse_fraction`` x its first and falling ``patience`` checks in a row |
+    | ``weight_summary`` | info | at the end: the lowest norm ratios and the groups' accumulated decay |
+
+    It logs no metrics. Resume (``state_attrs``): the first norms, the streaks, the parameters named and the
+    accumulated decay carry over.
+    """
+    name = "weight_norm"
+    state_attrs = ("_first", "_prev", "_falling", "_named", "_decay_log", "_lowest", "_checks", "_counts")
+
+    def __init__(self, every_n_steps: int = 1, collapse_fraction: float = 0.5, patience: int = 3,
+                 share: float = 0.1, read_every_n_steps: int = 10, max_findings_per_code: int = 5,
+                 on_error: str = "warn") -> None:
+        super().__init__(on_error=on_error)
+        self.check_args(
+            every_n_steps=(every_n_steps, integer(1)),
+            collapse_fraction=(collapse_fraction, number(0, 1, open_low=True, open_high=True)),
+            patience=(patience, integer(1)),
+            share=(share, number(0, 1)),
+            read_every_n_steps=(read_every_n_steps, integer(1)),
+            max_findings_per_code=(max_findings_per_code, integer(1)),
+        )
+        self.every_n_steps, self.patience, self.read_every = int(every_n_steps), int(patience), int(read_every_n_steps)
+        self.collapse_fraction, self.share = float(collapse_fraction), float(share)
+        self.max_findings_per_code = int(max_findings_per_code)
+        self._params: list[torch.Tensor] = []
+        self._names: list[str] = []
+        self._queue: list[tuple[torch.Tensor, int, list[float]]] = []
+        self._groups: list[dict] | None = None  # per parameter: its optimizer group (None: unknown)
+        self._group_of: list[int] = []
+        self._coupled: list[bool] = []
+        self._optimizer_name = "?"
+        self._reset(0)
+
+    def _reset(self, n: int) -> None:
+        self._first: list[float | None] = [None] * n
+        self._prev: list[float | None] = [None] * n
+        self._falling = [0] * n
+        self._named = [0] * n  # 0: above collapse_fraction or not falling; 1: collapsed, not reported; 2: reported
+        self._lowest: list[float | None] = [None] * n
+        self._decay_log: list[float] = []
+        self._checks = 0
+        self._counts: dict[str, int] = {}
+
+    # ---- setup: every rank --------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        named = [(display_name(n), p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._names, self._params = [n for n, _ in named], [p for _, p in named]
+        self._numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
+        self._one_dim = [len(getattr(p, "ds_shape", p.shape)) <= 1 for p in self._params]
+        self._source = grad_source(trainer.strategy)
+        if len(self._first) != len(self._params):  # fresh, or a resume of another net: start afresh
+            self._reset(len(self._params))
+
+    def _map_groups(self, trainer: Any) -> None:
+        """Each parameter's optimizer group (after the optimizer and DeepSpeed's engine exist)."""
+        by_id = optimizer_param_groups(trainer) or {}
+        groups: list[dict] = []
+        self._group_of = []
+        index: dict[int, int] = {}
+        for p in self._params:
+            g = by_id.get(id(p))
+            if g is not None and id(g) not in index:
+                index[id(g)] = len(groups)
+                groups.append(g)
+            self._group_of.append(index[id(g)] if g is not None else -1)
+        self._groups = groups
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self._coupled = [decay_coupled(optimizer, g) for g in groups]
+        self._optimizer_name = type(base_optimizer(optimizer)).__name__ if optimizer is not None else "?"
+        if len(self._decay_log) != len(groups):
+            self._decay_log = [0.0] * len(groups)
+
+    # ---- measure: local, every rank (no collective) ---------------------------------------
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self._params or not _at_accumulation_boundary(trainer):
+            return
+        if self._groups is None:
+            self._map_groups(trainer)
+        for i, g in enumerate(self._groups):  # what decoupled decay takes this step: host floats, no device read
+            shrink = float(g.get("lr", 0.0)) * float(g.get("weight_decay", 0.0) or 0.0)
+            self._decay_log[i] += math.log(max(1e-12, 1.0 - shrink)) if shrink < 1 else -27.6
+        step = trainer.global_step
+        if not self.due(step):
+            return
+        sq = sumsq_per_tensor([unpadded(local_param(p), p) for p in self._params])
+        whole = 1 if self._source == "zero3" else trainer.world_size  # replicated weights: each rank's 1/world
+        self._queue.append((sq / whole, step, list(self._decay_log)))
+
+    # ---- reduce + judge: EVERY rank --------------------------------------------------------
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if len(self._queue) >= self.read_every or 0 < (getattr(trainer, "max_steps", 0) or -1) <= trainer.global_step:
+            self._read(trainer)
+
+    def read_queued(self, trainer: Any) -> None:
+        self._read(trainer)
+
+    def _read(self, trainer: Any) -> None:
+        """COLLECTIVE (world > 1): one all-reduce of the queued ``[N x parameters]`` and one host read, every rank
+        at the same step (the queue fills alike everywhere)."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return
+        rows = collectives.reduce(trainer, torch.stack([r.double() for r, _, _ in queue]), "sum").cpu().tolist()
+        for row, (_, step, decay_log) in zip(rows, queue):
+            self.judge(trainer, step, [math.sqrt(v) if v >= 0 and math.isfinite(v) else math.nan for v in row],
+                       decay_log)
+
+    def judge(self, trainer: Any, step: int, norms: list[float], decay_log: list[float]) -> list[str]:
+        """One checked step's per-parameter weight norms (all-reduced); returns the parameters named now."""
+        self._checks += 1
+        collapsed: list[int] = []
+        for i, norm in enumerate(norms):
+            if not math.isfinite(norm):
+                continue  # non-finite weights: nan_triage's and grad_monitor's business
+            if self._first[i] is None:
+                self._first[i] = norm
+            first, prev = self._first[i], self._prev[i]
+            self._prev[i] = norm
+            if not first:
+                continue  # zero-initialised: no scale to fall from
+            ratio = norm / first
+            self._lowest[i] = ratio if self._lowest[i] is None else min(self._lowest[i], ratio)
+            self._falling[i] = self._falling[i] + 1 if prev is not None and norm < prev else 0
+            if ratio >= self.collapse_fraction:
+                self._named[i] = 0  # recovered: a later fall is a new episode
+            elif self._falling[i] >= self.patience and not self._named[i]:
+                self._named[i] = 1  # collapsed; reported once its cause is the config's or enough weights fell
+        pending = [i for i, state in enumerate(self._named) if state == 1]
+        if pending:
+            collapsed = self._report_collapse(trainer, step, pending, norms, decay_log)
+        return [self._names[i] for i in collapsed]
+
+    def _group_facts(self, i: int, decay_log: list[float]) -> tuple[str, dict]:
+        """The optimizer facts of parameter i's group: (cause, details)."""
+        g = self._group_of[i] if i < len(self._group_of) else -1
+        ratio = self._prev[i] / self._first[i]
+        if g < 0 or self._groups is None:
+            return "outside" if ratio < self.collapse_fraction else "unknown", {}
+        group = self._groups[g]
+        lr, wd = float(group.get("lr", 0.0)), float(group.get("weight_decay", 0.0) or 0.0)
+        floor = math.exp(decay_log[g]) if g < len(decay_log) else 1.0
+        cause = decay_cause(self._coupled[g], lr, wd, floor, ratio, self._one_dim[i])
+        return cause, {"group": g, "lr": lr, "weight_decay": wd, "coupled": self._coupled[g], "decay_floor": floor}
+
+    def _report_collapse(self, trainer: Any, step: int, pending: list[int], norms: list[float],
+                         decay_log: list[float]) -> list[int]:
+        """Report the collapsed parameters not reported yet whose fall the optimizer's settings explain, or all of
+        them once the collapsed parameters hold ``share`` of the trainable weights (a norm gain the loss wants
+        smaller is learning, not a fault); returns those reported."""
+        facts = {i: self._group_facts(i, decay_log) for i in pending}
+        held = sum(self._numel[i] for i, state in enumerate(self._named) if state) / max(1.0, sum(self._numel))
+        collapsed = pending if held >= self.share else [i for i in pending if facts[i][0] != "outside"]
+        if not collapsed:
+            return []
+        for i in collapsed:
+            self._named[i] = 2
+        causes = [c for c, _ in facts.values()]
+        cause = max(set(causes), key=causes.count)
+        gains = [self._names[i] for i in collapsed if self._one_dim[i] and facts[i][0] in ("decay", "decay_on_norm")]
+        if cause in ("decay", "decay_on_norm"):
+            cause = "decay_on_norm" if gains else "decay"
+        worst = sorted(collapsed, key=lambda i: norms[i] / self._first[i])
+        shown = ", ".join(f"{self._names[i]} {norms[i] / self._first[i]:.2f}x" for i in worst[:4])
+        more = f" (+{len(worst) - 4} more)" if len(worst) > 4 else ""
+        _, d = facts[worst[0]]
+        name = self._optimizer_name
+        if cause == "coupled_l2":
+            why = (f"{name}'s weight_decay={d['weight_decay']:g} is an L2 term added to the gradient, which {name} "
+                   f"then normalises: every weight moves toward 0 by up to lr={d['lr']:.3g} per step, whatever its "
+                   "size")
+            advice = ("use decoupled decay: torch.optim.AdamW (optim.optimizer._target_=torch.optim.AdamW; "
+                      "DeepSpeed's FusedAdam/CPUAdam: adam_w_mode=true), or weight_decay=0")
+        elif cause in ("decay", "decay_on_norm"):
+            why = (f"the optimizer's decay, lr x weight_decay = {d['lr'] * d['weight_decay']:.3g} per step "
+                   f"(weight_decay={d['weight_decay']:g}), alone takes a norm down to {d['decay_floor']:.2f}x by now")
+            if cause == "decay_on_norm":
+                why += f"; {', '.join(gains[:4])} are norm gains or biases, which are usually not decayed"
+            advice = ("lower weight_decay (0.01-0.1 is usual with AdamW: optim.optimizer.weight_decay) and keep norm "
+                      "gains and biases in a group with weight_decay=0")
+        else:
+            floor = ("" if not d else " (its weight_decay is 0)" if not d["weight_decay"] else
+                     f" (by now at most down to {d['decay_floor']:.2f}x)")
+            why = (f"more than the optimizer's decay can give{floor}: the loss's gradient pulls the weights to 0 (an L2 "
+                   "or norm penalty added to the loss, under Adam normalised to ~lr per step) or code outside the "
+                   "optimizer shrinks them (a hook, a manual p.mul_() or p.data assignment)")
+            advice = ("look for a penalty on the weights in the loss (with Adam, use AdamW's decay instead) and for "
+                      "code that writes to parameters outside the optimizer step")
+        severity = "error" if held >= self.share else "warning"
+        message = (f"step {step}: weights collapsing: {len(collapsed)} parameter(s) fell below "
+                   f"{self.collapse_fraction:g}x their first norm, falling {self.patience} checks in a row: "
+                   f"{shown}{more}; {why}")
+        details = {"params": [self._names[i] for i in worst], "param": self._names[worst[0]],
+                   "ratios": [norms[i] / self._first[i] for i in worst], "share": held, "cause": cause,
+                   "optimizer": name, **d}
+        self.report_capped(trainer, severity, "weight_collapse", message, advice, details, step=step,
+                           limit=self.max_findings_per_code)
+        return collapsed
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._params:
+            self._read(trainer)  # COLLECTIVE (world > 1): the steps still queued, every rank
+        if trainer.global_rank != 0 or not self._params:
+            return
+        low = sorted((r, n) for r, n in zip(self._lowest, self._names) if r is not None)[:3]
+        decay = [math.exp(v) for v in self._decay_log]
+        quiet = [n for n, state in zip(self._names, self._named) if state == 1]
+        self.report(trainer, "info", "weight_summary",
+                    f"{len(self._params)} parameters over {self._checks} checks; lowest norm vs the first: "
+                    + (", ".join(f"{n} {r:.2f}x" for r, n in low) or "not measured")
+                    + (f"; lr x weight_decay over the run compounds to {', '.join(f'{v:.2f}x' for v in decay)} per "
+                       "group" if decay else "")
+                    + (f"; below {self.collapse_fraction:g}x following their gradient, not reported (under "
+                       f"{self.share:g} of the weights): {', '.join(quiet[:4])}" if quiet else ""),
+                    details={"lowest": [{"param": n, "ratio": r} for r, n in low], "decay_floor": decay,
+                             "collapsed_unreported": quiet,
+                             "counts": dict(self._counts)}, rank=None)
