@@ -148,6 +148,20 @@ def _unsafe_pickle(exc: BaseException) -> str | None:
     return None
 
 
+def _zero3_late_parameter(exc: BaseException) -> str | None:
+    """DeepSpeed ZeRO-3 met a parameter it never partitioned (``'Parameter' object has no attribute 'ds_status'``,
+    or ``ds_id``/``ds_tensor``...): one registered after the engine was built (a layer made on the first forward, a
+    parameter replaced in a callback)."""
+    if not isinstance(exc, AttributeError):
+        return None
+    found = re.search(r"has no attribute '(ds_\w+)'", str(exc))
+    if found is None:
+        return None
+    return (f"DeepSpeed ZeRO-3 met a parameter it never partitioned (no '{found.group(1)}'): a parameter registered "
+            "after the engine was built -- a layer made on the first forward, a parameter replaced after "
+            "configure_optimizers; build every layer and parameter in __init__ (crash.json: the traceback)")
+
+
 def _dead_rank(exc: BaseException) -> str | None:
     """After an exception: did a rank die? Rank 0 polls its children, a child checks its
     parent (our launcher); under any launcher the store's heartbeats name the dead rank and its
@@ -187,6 +201,9 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
 
     if isinstance(e, MisconfigurationException):
         return "bad_input", 2, f"{type(e).__name__}: {e}"
+    late = _zero3_late_parameter(e)
+    if late is not None:  # a user-code fault with a known cause: one line (crash.json keeps the traceback)
+        return "crashed", 1, late
     if is_out_of_memory(e):  # a resource limit, not a bug: one line (crash.json keeps the traceback)
         return "out_of_memory", 1, (f"out of memory ({' '.join(str(e).split())[:160]}); try a smaller data.batch_size, "
                                     "gradient checkpointing, a shorter data.seq_len, a higher ZeRO stage or offload "

@@ -165,3 +165,26 @@ def test_hf_auto_gradient_clipping_takes_the_trainers_value(trainer_clip, refuse
             refuse_unheld(net, config, "32-true", trainer_clip)
     else:
         refuse_unheld(net, config, "32-true", trainer_clip)
+
+
+def test_a_parameter_registered_after_zero3_built_the_engine_is_one_line(tmp_path, shared_cache):
+    """A parameter registered on the first forward (tests/planted/degenerate.LateRegisteredParameter) was never
+    partitioned by ZeRO-3: DeepSpeed fails on its missing ``ds_status``. The run ends with one line that says what
+    happened and what to do (exit 1, crash.json keeps the traceback), not DeepSpeed's traceback."""
+    proc = run_train([*FAST, "model.net._target_=tests.planted.data.HealthyTinyLM", "strategy=zero3",
+                      "+callbacks.plant._target_=tests.planted.degenerate.LateRegisteredParameter",
+                      "export.fp32=false"], tmp_path, shared_cache)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "never partitioned (no 'ds_status')" in errors[0], proc.stderr[-3000:]
+    assert "build every layer and parameter in __init__" in errors[0] and "Traceback" not in proc.stderr
+    crash = json.loads((only_run_dir(tmp_path) / "crash.json").read_text())
+    assert crash["exception"] == "AttributeError" and "ds_status" in crash["traceback_tail"]
+
+
+def test_only_a_missing_deepspeed_attribute_is_read_as_a_late_parameter():
+    from dsdebug.trainer.cli import _zero3_late_parameter
+
+    assert _zero3_late_parameter(AttributeError("'Parameter' object has no attribute 'ds_id'")) is not None
+    assert _zero3_late_parameter(AttributeError("'Net' object has no attribute 'dropout'")) is None
+    assert _zero3_late_parameter(KeyError("ds_status")) is None
