@@ -138,6 +138,8 @@ def optimizer_param_groups(trainer: Any) -> dict[int, dict] | None:
     if hasattr(opt, "trainable_param_groups"):  # ZeRO-3
         return {id(p): groups[g["_ds_source_param_group_id"]]
                 for g in opt.trainable_param_groups for p in g["params"]}
+    if isinstance(getattr(opt, "fp16_groups", None), list):  # FP16_Optimizer (fp16 without ZeRO): aligned too
+        return {id(p): g for g, ps in zip(groups, opt.fp16_groups) for p in ps}
     if isinstance(opt, torch.optim.Optimizer) and all(isinstance(p, torch.nn.Parameter) or torch.is_tensor(p)
                                                       for g in groups for p in g["params"]):
         return {id(p): g for g in groups for p in g["params"]}

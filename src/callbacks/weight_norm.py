@@ -5,7 +5,9 @@ The config example and the table of findings: the class docstring (`WeightNorm`)
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -19,18 +21,45 @@ from dsdebug.distributed import collectives
 
 __all__ = ["WeightNorm", "decay_cause"]
 
+log = logging.getLogger(__name__)
+USUAL_DECAY = 0.2  # weight_decay above this is outside the usual 0.01-0.1 (AdamW)
+_CAUSE_ORDER = ("coupled_l2", "decay", "outside")  # the causes a report names (decay_on_norm counts as decay); ties: the first
+
+
+def _host(value: Any) -> float | None:
+    """A group's lr / weight_decay as a float without a device read (a CUDA tensor lr: None)."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        return float(value)
+    return None
+
 
 def decay_cause(coupled: bool, lr: float, weight_decay: float, decay_floor: float, ratio: float,
                 one_dim: bool) -> str:
     """Why a weight's norm fell to ``ratio`` x its start: ``coupled_l2`` (an adaptive optimizer's weight_decay is L2
-    added to the gradient), ``decay`` (the optimizer's decoupled decay alone takes the norm down to ``decay_floor``
-    x by now, at least half of the fall in log terms), ``decay_on_norm`` (the same, on a 1-D norm gain or bias)
-    or ``outside`` (more than the configured decay can give: the loss's gradient or code outside the optimizer)."""
+    added to the gradient); where the configured decay alone takes the norm down to ``decay_floor`` x by now, at
+    least half of the fall in log terms: ``decay_on_norm`` (on a 1-D norm gain or bias), ``decay`` (a weight_decay
+    above the usual, > USUAL_DECAY) or ``expected`` (a usual weight_decay over a long run: the equilibrium it is
+    for); else ``outside`` (more than the configured decay can give: the loss's gradient or code outside the
+    optimizer)."""
     if coupled and weight_decay > 0:
         return "coupled_l2"
     if weight_decay > 0 and lr > 0 and decay_floor <= math.sqrt(ratio):  # the decay gives half the log-fall
-        return "decay_on_norm" if one_dim else "decay"
+        return "decay_on_norm" if one_dim else "decay" if weight_decay > USUAL_DECAY else "expected"
     return "outside"
+
+
+def _step_decay(momentum_sgd: bool, group: dict) -> float:
+    """log of the factor the group's decay multiplies a weight by in one step (decoupled ``1 - lr * wd``; SGD with
+    momentum: the L2 term accumulates in the momentum, ``lr * wd / (1 - momentum)`` in the steady state)."""
+    lr, wd = _host(group.get("lr", 0.0)), _host(group.get("weight_decay", 0.0) or 0.0)
+    if lr is None or wd is None:
+        return 0.0
+    shrink = lr * wd
+    if momentum_sgd:
+        shrink /= max(1e-3, 1.0 - (_host(group.get("momentum", 0.0)) or 0.0))
+    return math.log(max(1e-12, 1.0 - shrink)) if shrink < 1 else -27.6
 
 
 class WeightNorm(DebugCallback):
@@ -71,6 +100,8 @@ class WeightNorm(DebugCallback):
     accumulated decay carry over.
     """
     name = "weight_norm"
+    policies = ("warn", "stop")
+    policy_note = "skip: the collapse is judged up to read_every_n_steps steps after the updates that made it"
     state_attrs = ("_first", "_prev", "_falling", "_named", "_decay_log", "_lowest", "_checks", "_counts")
 
     def __init__(self, every_n_steps: int = 1, collapse_fraction: float = 0.5, patience: int = 3,
@@ -94,6 +125,7 @@ class WeightNorm(DebugCallback):
         self._groups: list[dict] | None = None  # per parameter: its optimizer group (None: unknown)
         self._group_of: list[int] = []
         self._coupled: list[bool] = []
+        self._momentum_sgd: list[bool] = []
         self._optimizer_name = "?"
         self._reset(0)
 
@@ -101,7 +133,8 @@ class WeightNorm(DebugCallback):
         self._first: list[float | None] = [None] * n
         self._prev: list[float | None] = [None] * n
         self._falling = [0] * n
-        self._named = [0] * n  # 0: above collapse_fraction or not falling; 1: collapsed, not reported; 2: reported
+        # 0: above collapse_fraction or not falling; 1: collapsed, not reported; 2: reported; 3: the usual decay's
+        self._named = [0] * n
         self._lowest: list[float | None] = [None] * n
         self._decay_log: list[float] = []
         self._checks = 0
@@ -114,7 +147,15 @@ class WeightNorm(DebugCallback):
         self._numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
         self._one_dim = [len(getattr(p, "ds_shape", p.shape)) <= 1 for p in self._params]
         self._source = grad_source(trainer.strategy)
-        if len(self._first) != len(self._params):  # fresh, or a resume of another net: start afresh
+        self._groups = None  # mapped again at this fit's first optimizer step
+        if len(self._first) != len(self._params):  # fresh, or (DDP restores first) a resume of another net
+            self._reset(len(self._params))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._params and len(self._first) != len(self._params):  # DeepSpeed restores after on_fit_start
+            log.warning("weight_norm: the checkpoint's state is for %d parameters, this net has %d: starting afresh",
+                        len(self._first), len(self._params))
             self._reset(len(self._params))
 
     def _map_groups(self, trainer: Any) -> None:
@@ -132,6 +173,9 @@ class WeightNorm(DebugCallback):
         self._groups = groups
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._coupled = [decay_coupled(optimizer, g) for g in groups]
+        sgd = type(base_optimizer(optimizer)).__name__ == "SGD"
+        self._momentum_sgd = [sgd and not g.get("nesterov") and (_host(g.get("momentum", 0.0)) or 0.0) > 0
+                              for g in groups]
         self._optimizer_name = type(base_optimizer(optimizer)).__name__ if optimizer is not None else "?"
         if len(self._decay_log) != len(groups):
             self._decay_log = [0.0] * len(groups)
@@ -142,15 +186,13 @@ class WeightNorm(DebugCallback):
             return
         if self._groups is None:
             self._map_groups(trainer)
-        for i, g in enumerate(self._groups):  # what decoupled decay takes this step: host floats, no device read
-            shrink = float(g.get("lr", 0.0)) * float(g.get("weight_decay", 0.0) or 0.0)
-            self._decay_log[i] += math.log(max(1e-12, 1.0 - shrink)) if shrink < 1 else -27.6
         step = trainer.global_step
-        if not self.due(step):
-            return
-        sq = sumsq_per_tensor([unpadded(local_param(p), p) for p in self._params])
-        whole = 1 if self._source == "zero3" else trainer.world_size  # replicated weights: each rank's 1/world
-        self._queue.append((sq / whole, step, list(self._decay_log)))
+        if self.due(step):  # the weights before this step's update, with the decay of the steps before it
+            sq = sumsq_per_tensor([unpadded(local_param(p), p) for p in self._params])
+            whole = 1 if self._source == "zero3" else trainer.world_size  # replicated weights: each rank's 1/world
+            self._queue.append((sq / whole, step, list(self._decay_log)))
+        for i, g in enumerate(self._groups):  # what the decay takes this step: host floats, no device read
+            self._decay_log[i] += _step_decay(self._momentum_sgd[i], g)
 
     # ---- reduce + judge: EVERY rank --------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -201,9 +243,9 @@ class WeightNorm(DebugCallback):
         g = self._group_of[i] if i < len(self._group_of) else -1
         ratio = self._prev[i] / self._first[i]
         if g < 0 or self._groups is None:
-            return "outside" if ratio < self.collapse_fraction else "unknown", {}
+            return "outside", {}
         group = self._groups[g]
-        lr, wd = float(group.get("lr", 0.0)), float(group.get("weight_decay", 0.0) or 0.0)
+        lr, wd = _host(group.get("lr", 0.0)) or 0.0, _host(group.get("weight_decay", 0.0) or 0.0) or 0.0
         floor = math.exp(decay_log[g]) if g < len(decay_log) else 1.0
         cause = decay_cause(self._coupled[g], lr, wd, floor, ratio, self._one_dim[i])
         return cause, {"group": g, "lr": lr, "weight_decay": wd, "coupled": self._coupled[g], "decay_floor": floor}
@@ -214,21 +256,29 @@ class WeightNorm(DebugCallback):
         them once the collapsed parameters hold ``share`` of the trainable weights (a norm gain the loss wants
         smaller is learning, not a fault); returns those reported."""
         facts = {i: self._group_facts(i, decay_log) for i in pending}
-        held = sum(self._numel[i] for i, state in enumerate(self._named) if state) / max(1.0, sum(self._numel))
+        for i in pending:
+            if facts[i][0] == "expected":
+                self._named[i] = 3  # the usual decay's equilibrium: not a fault (the summary lists it)
+        pending = [i for i in pending if self._named[i] == 1]
+        held = sum(self._numel[i] for i, state in enumerate(self._named) if state in (1, 2)) / max(
+            1.0, sum(self._numel))
         collapsed = pending if held >= self.share else [i for i in pending if facts[i][0] != "outside"]
         if not collapsed:
             return []
         for i in collapsed:
             self._named[i] = 2
-        causes = [c for c, _ in facts.values()]
-        cause = max(set(causes), key=causes.count)
-        gains = [self._names[i] for i in collapsed if self._one_dim[i] and facts[i][0] in ("decay", "decay_on_norm")]
-        if cause in ("decay", "decay_on_norm"):
-            cause = "decay_on_norm" if gains else "decay"
+        decay = ("decay", "decay_on_norm")
+        causes = ["decay" if facts[i][0] in decay else facts[i][0] for i in collapsed]
+        cause = max(_CAUSE_ORDER, key=lambda c: (causes.count(c), -_CAUSE_ORDER.index(c)))  # ties: a fixed order
+        gains = [self._names[i] for i in collapsed if self._one_dim[i] and facts[i][0] in decay]
         worst = sorted(collapsed, key=lambda i: norms[i] / self._first[i])
         shown = ", ".join(f"{self._names[i]} {norms[i] / self._first[i]:.2f}x" for i in worst[:4])
         more = f" (+{len(worst) - 4} more)" if len(worst) > 4 else ""
-        _, d = facts[worst[0]]
+        d = next(facts[i][1] for i in worst if (facts[i][0] in decay if cause == "decay" else facts[i][0] == cause))
+        if cause != "outside" and not d:
+            cause = "outside"  # a parameter no optimizer group holds (optimizer_coverage's business)
+        if cause == "decay":
+            cause = "decay_on_norm" if gains else "decay"
         name = self._optimizer_name
         if cause == "coupled_l2":
             why = (f"{name}'s weight_decay={d['weight_decay']:g} is an L2 term added to the gradient, which {name} "
@@ -241,8 +291,10 @@ class WeightNorm(DebugCallback):
                    f"(weight_decay={d['weight_decay']:g}), alone takes a norm down to {d['decay_floor']:.2f}x by now")
             if cause == "decay_on_norm":
                 why += f"; {', '.join(gains[:4])} are norm gains or biases, which are usually not decayed"
-            advice = ("lower weight_decay (0.01-0.1 is usual with AdamW: optim.optimizer.weight_decay) and keep norm "
-                      "gains and biases in a group with weight_decay=0")
+            advice = "keep norm gains and biases in a group with weight_decay=0"
+            if d["weight_decay"] > USUAL_DECAY:
+                advice = ("lower weight_decay (0.01-0.1 is usual with AdamW: optim.optimizer.weight_decay) and "
+                          + advice)
         else:
             floor = ("" if not d else " (its weight_decay is 0)" if not d["weight_decay"] else
                      f" (by now at most down to {d['decay_floor']:.2f}x)")
@@ -270,13 +322,16 @@ class WeightNorm(DebugCallback):
         low = sorted((r, n) for r, n in zip(self._lowest, self._names) if r is not None)[:3]
         decay = [math.exp(v) for v in self._decay_log]
         quiet = [n for n, state in zip(self._names, self._named) if state == 1]
+        settled = [n for n, state in zip(self._names, self._named) if state == 3]
         self.report(trainer, "info", "weight_summary",
                     f"{len(self._params)} parameters over {self._checks} checks; lowest norm vs the first: "
                     + (", ".join(f"{n} {r:.2f}x" for r, n in low) or "not measured")
                     + (f"; lr x weight_decay over the run compounds to {', '.join(f'{v:.2f}x' for v in decay)} per "
                        "group" if decay else "")
                     + (f"; below {self.collapse_fraction:g}x following their gradient, not reported (under "
-                       f"{self.share:g} of the weights): {', '.join(quiet[:4])}" if quiet else ""),
+                       f"{self.share:g} of the weights): {', '.join(quiet[:4])}" if quiet else "")
+                    + (f"; below {self.collapse_fraction:g}x where a usual weight_decay settles them: "
+                       f"{', '.join(settled[:4])}" if settled else ""),
                     details={"lowest": [{"param": n, "ratio": r} for r, n in low], "decay_floor": decay,
-                             "collapsed_unreported": quiet,
+                             "collapsed_unreported": quiet, "settled_by_decay": settled,
                              "counts": dict(self._counts)}, rank=None)

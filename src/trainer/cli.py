@@ -154,7 +154,8 @@ def _zero3_late_parameter(exc: BaseException) -> str | None:
     parameter replaced in a callback)."""
     if not isinstance(exc, AttributeError):
         return None
-    found = re.search(r"has no attribute '(ds_\w+)'", str(exc))
+    found = re.search(r"'(?:Parameter|Tensor)' object has no attribute '(ds_(?:status|id|tensor|numel|shape|persist|"
+                      r"active_sub_modules|process_group))'", str(exc))
     if found is None:
         return None
     return (f"DeepSpeed ZeRO-3 met a parameter it never partitioned (no '{found.group(1)}'): a parameter registered "

@@ -7,6 +7,7 @@ healthy AdamW run, a zero-initialised parameter and tied weights stay silent. Un
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -163,6 +164,8 @@ def test_coupled_decay_is_told_from_decoupled():
     ((False, 1e-2, 20.0, 0.01, 0.3, False), "decay"),
     ((False, 1e-2, 20.0, 0.01, 0.3, True), "decay_on_norm"),
     ((False, 3e-3, 0.1, 0.97, 0.3, False), "outside"),  # decay alone: 3 % of the fall to 0.3x
+    ((False, 3e-4, 0.1, 0.4, 0.45, False), "expected"),  # a usual decay over a long run: its equilibrium
+    ((False, 3e-4, 0.1, 0.4, 0.45, True), "decay_on_norm"),
     ((False, 3e-3, 0.0, 1.0, 0.1, False), "outside"),
 ])
 def test_the_cause_is_what_the_configured_decay_can_and_cannot_give(args, cause):
@@ -191,6 +194,61 @@ def test_a_small_fall_the_config_does_not_explain_waits_for_a_share_of_the_weigh
     assert check._named == [1, 0]
     assert check.judge(None, 2, [0.3, 0.4], []) == ["gain", "matrix"]  # now 100 %: both, once
     assert check.judge(None, 3, [0.2, 0.3], []) == []
+
+
+def _judged(numel, one_dim, groups, group_of, coupled=None):
+    check = WeightNorm(patience=1, share=0.1)
+    n = len(numel)
+    check._names, check._numel, check._one_dim = [f"p{i}" for i in range(n)], numel, one_dim
+    check._reset(n)
+    check._groups, check._group_of = groups, group_of
+    check._coupled = coupled or [False] * len(groups)
+    check._momentum_sgd = [False] * len(groups)
+    return check
+
+
+def test_a_usual_decay_settling_weights_over_a_long_run_is_not_reported():
+    # lr 3e-4 x wd 0.1 over ~30k steps compounds to ~0.4x: the matrices settle where the decay holds them
+    check = _judged([50.0, 50.0], [False, False], [{"lr": 3e-4, "weight_decay": 0.1}], [0, 0])
+    log = [math.log(0.4)]
+    assert check.judge(None, 0, [1.0, 1.0], log) == []
+    assert check.judge(None, 1, [0.45, 0.45], log) == []
+    assert check._named == [3, 3] and check._counts == {}
+    assert check.judge(None, 2, [0.44, 0.44], log) == []  # not again either
+
+
+@pytest.mark.parametrize("group_of,cause", [([0, 0, -1], "coupled_l2"), ([0, -1, -1], "outside")])
+def test_the_message_takes_the_facts_of_the_cause_it_names(tmp_path, group_of, cause):
+    """p2 (no optimizer group) falls furthest, so it heads the list; the facts quoted are those of a parameter with
+    the cause the finding names (the worst one's group may have none: it used to raise a KeyError)."""
+    configure_channel(tmp_path / "findings")
+    check = _judged([80.0, 10.0, 10.0], [False] * 3, [{"lr": 1e-3, "weight_decay": 0.1}], group_of, coupled=[True])
+    check._optimizer_name = "Adam"
+    assert check.judge(None, 0, [1.0, 1.0, 1.0], [0.0]) == []
+    assert check.judge(None, 1, [0.45, 0.4, 0.3], [0.0]) == ["p0", "p1", "p2"]
+    (finding,) = [f for f in get_channel().local if f.code == "weight_collapse"]
+    assert finding.details["cause"] == cause and finding.details["param"] == "p2"
+    if cause == "coupled_l2":
+        assert finding.details["weight_decay"] == 0.1 and "weight_decay=0.1 is an L2 term" in finding.message
+    else:
+        assert "weight_decay" not in finding.details and "more than the optimizer's decay" in finding.message
+    assert finding.severity == "error"  # every parameter collapsed
+
+
+def test_a_resume_of_another_net_starts_afresh_in_either_restore_order():
+    saved = WeightNorm()
+    saved._reset(3)
+    saved._first = [1.0, 2.0, 3.0]
+    state = saved.state_dict()
+    for order in ("restore_first", "fit_first"):  # DDP restores before on_fit_start, DeepSpeed after it
+        check = WeightNorm()
+        if order == "restore_first":
+            check.load_state_dict(state)
+        check.on_fit_start(SimpleNamespace(strategy=object()), nn.Linear(2, 2))  # 2 parameters: weight, bias
+        if order == "fit_first":
+            check.load_state_dict(state)
+        assert check._first == [None, None], order
+        assert check.judge(None, 0, [1.0, 1.0], []) == []  # no IndexError
 
 
 def test_non_finite_and_zero_norms_are_left_out():

@@ -188,3 +188,11 @@ def test_only_a_missing_deepspeed_attribute_is_read_as_a_late_parameter():
     assert _zero3_late_parameter(AttributeError("'Parameter' object has no attribute 'ds_id'")) is not None
     assert _zero3_late_parameter(AttributeError("'Net' object has no attribute 'dropout'")) is None
     assert _zero3_late_parameter(KeyError("ds_status")) is None
+
+
+def test_a_users_own_ds_attribute_is_not_read_as_a_late_parameter():
+    from dsdebug.trainer.cli import _zero3_late_parameter
+
+    assert _zero3_late_parameter(AttributeError("'Net' object has no attribute 'ds_conv'")) is None
+    assert _zero3_late_parameter(AttributeError("'Parameter' object has no attribute 'ds_conv'")) is None
+    assert _zero3_late_parameter(AttributeError("'Tensor' object has no attribute 'ds_tensor'")) is not None
