@@ -81,7 +81,9 @@ class WeightNorm(DebugCallback):
     named when its norm is below ``collapse_fraction`` x its norm at the first check and fell at each of the last
     ``patience`` checks (zero-initialised parameters, LoRA's B, are left out). The finding says what the optimizer
     is set for -- each group's lr x weight_decay per step, coupled or decoupled, accumulated over the run's
-    schedule (host floats, no device read) -- and so which of the causes above it is. A fall the optimizer's
+    schedule (host floats, no device read) -- and so which of the causes above it is. A usual weight_decay
+    (<= 0.2) that explains the fall of a matrix over a long run is the equilibrium it is for: not reported, listed
+    in the summary (norm gains and biases decayed are reported whatever the value). A fall the optimizer's
     settings do not explain is reported once the collapsed parameters hold ``share`` of the trainable weights:
     alone, a norm gain the loss wants smaller is learning (measured on the tiny DeepSeek under healthy AdamW: some
     attention norm gains at 0.5x by step 300); it is listed in the summary.
