@@ -113,7 +113,14 @@ class WeightOutsideOptimizer(Callback):
     with ``requires_grad`` (not registered): a per-vocabulary logit scale ``net.logit_scale``. It is used in every
     forward and gets a gradient; no optimizer holds it. (Registered with ``register_parameter`` instead, ZeRO-3
     crashes at the next forward -- ``'Parameter' object has no attribute 'ds_status'`` -- and the checkpoint holds a
-    key a resumed model lacks: the plain-Lightning test plants that form, tests/callbacks/test_cb_optimizer_coverage.py.)"""
+    key a resumed model lacks: ``LateRegisteredParameter`` below, and the plain-Lightning form in
+    tests/callbacks/test_cb_optimizer_coverage.py.)"""
+
+    @staticmethod
+    def make_scale(module: Any, logits: torch.Tensor) -> None:
+        """The weight, made on the first forward: a plain tensor attribute that requires grad."""
+        module.logit_scale = torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype,
+                                        requires_grad=True)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         net = pl_module.net
@@ -121,8 +128,7 @@ class WeightOutsideOptimizer(Callback):
         def hook(module: Any, args: Any, out: Any) -> Any:
             logits = out.logits if hasattr(out, "logits") else out
             if getattr(module, "logit_scale", None) is None:
-                module.logit_scale = torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype,
-                                                requires_grad=True)
+                self.make_scale(module, logits)
             scaled = logits * module.logit_scale
             if hasattr(out, "logits"):
                 out.logits = scaled
@@ -148,23 +154,12 @@ class ShrinkWeights(Callback):
                     p.mul_(self.factor)
 
 
-class LateRegisteredParameter(Callback):
+class LateRegisteredParameter(WeightOutsideOptimizer):
     """The same per-vocabulary logit scale as ``WeightOutsideOptimizer``, registered (``register_parameter``) on the
     net's first forward, after the optimizer and DeepSpeed's engine were built. ZeRO-3 never partitioned it: its
     next forward fails inside DeepSpeed (``'Parameter' object has no attribute 'ds_status'``)."""
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        net = pl_module.net
-
-        def hook(module: Any, args: Any, out: Any) -> Any:
-            logits = out.logits if hasattr(out, "logits") else out
-            if getattr(module, "logit_scale", None) is None:
-                module.register_parameter("logit_scale", torch.nn.Parameter(
-                    torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype)))
-            scaled = logits * module.logit_scale
-            if hasattr(out, "logits"):
-                out.logits = scaled
-                return out
-            return scaled
-
-        net.register_forward_hook(hook)
+    @staticmethod
+    def make_scale(module: Any, logits: torch.Tensor) -> None:
+        module.register_parameter("logit_scale", torch.nn.Parameter(
+            torch.ones(logits.shape[-1], device=logits.device, dtype=logits.dtype)))
