@@ -18,7 +18,7 @@ from dsdebug.config.args import either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
                                             local_grad, local_param, on_device, sumsq_per_tensor,
-                                            unpadded as _valid)
+                                            unpadded)
 from dsdebug.callbacks.loss_scale import read_scaler
 
 __all__ = ["LayerHealth"]
@@ -176,10 +176,10 @@ class LayerHealth(DebugCallback):
         update = self.due(step)
         if not update and not self.due(step, self.grad_every_n_steps):
             return
-        grads = [_valid(local_grad(p, self._source), p) for p in self._params]
+        grads = [unpadded(local_grad(p, self._source), p) for p in self._params]
         snapshot = w_sq = None
         if update:  # this rank's weights before the update (ZeRO-3: its partition only)
-            weights = [_valid(local_param(p), p) for p in self._params]
+            weights = [unpadded(local_param(p), p) for p in self._params]
             w_sq = _sumsq(weights)
             snapshot = [w.detach().clone() for w in weights]
         nnz = None
@@ -203,7 +203,7 @@ class LayerHealth(DebugCallback):
         self._pending = None
         dw_sq = None
         if snapshot is not None:  # after the step (ZeRO-1/2: after the all-gather of lp weights)
-            after = [_valid(local_param(p), p) for p in self._params]
+            after = [unpadded(local_param(p), p) for p in self._params]
             torch._foreach_sub_(snapshot, [a.detach() for a in after])
             dw_sq, w_sq = self.per_layer(_sumsq(snapshot)), self.per_layer(w_sq)
             del snapshot, after  # free the copy now
