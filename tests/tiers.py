@@ -11,6 +11,7 @@ where several do:
   cases that differ per rank run at 2 ranks in make test;
 - one 200-step healthy run with every check on (Llama under ZeRO-3, ~90 s; the other families: extended);
 - weight_norm's collapse named through ZeRO-3's partitions and DeepSpeed's param groups at 2 ranks (~80 s);
+- layer_health's lost update (a clip 1e-7) named through ZeRO-3's partitions and DeepSpeed's clip at 2 ranks (~50 s);
 - real DeepSpeed fp16: the scaler's overflows are not alarms, the planted NaN is named;
 - the gradient scale under accumulation named when doubled;
 - the rank rules: a check failing on one rank or inside a block of collectives, nan_triage's rerun on every rank;
@@ -46,6 +47,7 @@ TEST_ALL_SLOW = (
     "tests/trainer/test_console.py::test_default_run_console_prints_each_line_once",
     "tests/report/test_report_runs.py::test_ctrl_c_run_report",
     "tests/callbacks/test_cb_weight_norm_runs.py::*[[]zero3-*",
+    "tests/callbacks/test_cb_layer_update_lost_runs.py::*[[]zero3-*",
 )
 
 

@@ -12,7 +12,8 @@ Grouping (warnings and errors only; info findings are not incidents):
 
 - a **cause** per finding (``cause_of``): ``nonfinite`` (NaN/Inf in loss or gradients, whichever
   check saw it), ``hang`` (a hang, a collective timeout or a dead rank, from any rank),
-  ``ranks_differ`` (ranks composed different configs or seeds), else the finding's own
+  ``ranks_differ`` (ranks composed different configs or seeds), ``updates_lost`` (layers whose step is orders
+  below what their optimizer should give: layer_health's ``layer_update_lost``), else the finding's own
   ``check/code`` (repeats of one finding collapse into one incident);
 - the **root** of an incident: the finding that is not derived from others (the report's advisor
   rules read the same curves: never the root while a check's own finding exists), then the
@@ -21,9 +22,11 @@ Grouping (warnings and errors only; info findings are not incidents):
   first in forward order (``details.forward_index``), then the origin rank;
 - the **evidence**: every other finding of the incident, collapsed by ``check/code`` with a count,
   the steps and the ranks;
-- a **consequence** (``_CONSEQUENCES``: parameters that did not learn, a layer whose updates are negligible) joins
-  the incident of its cause when a finding of that cause falls in the steps it judged: every update was skipped
-  for non-finite gradients, so nothing learned, and the advice to read is the cause's;
+- a **consequence** (``_CONSEQUENCES``: parameters that did not learn, a layer whose updates are negligible, a clip
+  that dominates the gradient norm) joins the incident of its cause when a finding of that cause falls in the steps
+  it judged: every update was skipped for non-finite gradients, or lost against the optimizer's step
+  (``updates_lost``: an eps of 1, a clip orders below the norm), so nothing learned, and the advice to read is the
+  cause's;
 - the root prefers the finding that names the module or parameter (``details.module/layer/param``) among those
   of the earliest step: one planted NaN in a gradient hook is headed by grad_monitor's finding naming the
   parameter, not by a rerun that can only say "it arose in backward";
@@ -55,6 +58,8 @@ _CAUSES: dict[tuple[str, str], str] = {
     # ranks that run different configs/seeds: consistency sees it at setup, replica_parity at its first check
     ("consistency", "config_mismatch"): "ranks_differ", ("consistency", "seed_mismatch"): "ranks_differ",
     ("replica_parity", "config_hash_mismatch"): "ranks_differ",
+    # every layer's step lost against what its optimizer should give (eps, clip, 16-bit rounding)
+    ("layer_health", "layer_update_lost"): "updates_lost",
 }
 # who localises a cause best (lower = better root), per cause
 _ROOT_ORDER: dict[str, tuple[str, ...]] = {
@@ -62,15 +67,19 @@ _ROOT_ORDER: dict[str, tuple[str, ...]] = {
     "hang": ("liveness", "comm_debug", "hang_watchdog"),
     "ranks_differ": ("consistency", "replica_parity"),
 }
-_TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ranks run different configs"}
+_TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ranks run different configs",
+           "updates_lost": "updates far below the optimizer's step"}
 _ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout",  # by the root's code
                 "lr_too_high": "learning rate far above its usual range"}
 DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
-# (check, code) -> the cause whose incident it is a consequence of, when a finding of that cause falls in the steps
-# it judged: parameters that "did not learn" over steps whose updates were skipped for non-finite gradients
-_CONSEQUENCES: dict[tuple[str, str], str] = {
-    ("freeze_verify", "not_updated"): "nonfinite",
-    ("layer_health", "layer_update_negligible"): "nonfinite",
+# (check, code) -> the causes whose incident it is a consequence of (the first that applies), when a finding of that
+# cause falls in the steps it judged: parameters that "did not learn" over steps whose updates were skipped for
+# non-finite gradients, or whose every step was lost (an eps of 1, a clip orders below the norm); a clip that
+# dominates the gradient norm while the updates are lost is the same incident
+_CONSEQUENCES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("freeze_verify", "not_updated"): ("nonfinite", "updates_lost"),
+    ("layer_health", "layer_update_negligible"): ("nonfinite",),
+    ("grad_monitor", "clip_dominates"): ("updates_lost",),
 }
 
 
@@ -217,17 +226,18 @@ def group(records: Iterable[dict[str, Any]]) -> list[Incident]:
     for record in loud:
         own = cause_of(record)
         by_cause.setdefault(own if _explains(record) else absorbed.get(own, own), []).append(record)
-    for key, cause in _CONSEQUENCES.items():  # a consequence joins its cause's incident, under its cause's advice
-        target = absorbed.get(cause, cause)
-        window_of = {id(r): _window(r) for r in by_cause.get(f"{key[0]}/{key[1]}", [])}
-        steps = [r.get("step") for r in by_cause.get(target, []) if cause_of(r) == cause]
-        for record in list(by_cause.get(f"{key[0]}/{key[1]}", [])):
-            window = window_of[id(record)]
-            if window and any(isinstance(s, int) and window[0] <= s <= window[1] for s in steps):
-                by_cause[f"{key[0]}/{key[1]}"].remove(record)
-                by_cause[target].append(record)
-        if not by_cause.get(f"{key[0]}/{key[1]}", True):
-            del by_cause[f"{key[0]}/{key[1]}"]
+    for key, causes in _CONSEQUENCES.items():  # a consequence joins its cause's incident, under its cause's advice
+        own = f"{key[0]}/{key[1]}"
+        for cause in causes:
+            target = absorbed.get(cause, cause)
+            steps = [r.get("step") for r in by_cause.get(target, []) if cause_of(r) == cause]
+            for record in list(by_cause.get(own, [])):
+                window = _window(record)
+                if window and any(isinstance(s, int) and window[0] <= s <= window[1] for s in steps):
+                    by_cause[own].remove(record)
+                    by_cause[target].append(record)
+        if not by_cause.get(own, True):
+            del by_cause[own]
     incidents = []
     for cause, members in by_cause.items():
         ordered = sorted(members, key=lambda r: _root_key(cause, r))

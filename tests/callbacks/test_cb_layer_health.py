@@ -131,7 +131,7 @@ def test_hooks_measure_update_ratio_around_the_step_and_free_the_snapshot():
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     logger = _Logger()
     trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger])
-    cb = LayerHealth(every_n_steps=2, read_every_n_steps=1)  # judged at each step (queued: tested below)
+    cb = LayerHealth(every_n_steps=2, read_every_n_steps=1, first_update_steps=0)  # judged at once (queued: below)
     cb.on_fit_start(trainer, module)
     assert cb._layers == ["0", "1"]
     for step in range(3):
@@ -163,7 +163,7 @@ def test_queued_steps_are_judged_in_order_at_their_own_steps_as_at_once():
         logger = _Logger()
         trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger],
                                   max_steps=6)
-        cb = LayerHealth(every_n_steps=2, read_every_n_steps=read_every)
+        cb = LayerHealth(every_n_steps=2, read_every_n_steps=read_every, first_update_steps=0)
         cb.on_fit_start(trainer, module)
         seen = []
         for step in range(6):
@@ -269,3 +269,30 @@ def test_residual_scaled_from_init_is_named_within_5_steps(case, tmp_path, share
     assert sorted(r["details"]["layer"] for r in found) == blocks, found  # exactly the scaled blocks
     assert all(r["step"] <= 5 and r["details"]["early"] for r in found)  # onset is step 0
     assert all(r["details"]["grad_rel_largest"] < 1e-3 for r in found)
+
+
+def test_the_first_steps_update_is_measured_each_step_and_judged_at_the_window_end():
+    """first_update_steps=3: the update is measured at steps 0, 1, 2 (then at the cadence) and the queue is read at
+    step 2 (a config that loses every update is named in the first steps, not at the first read_every_n_steps)."""
+    configure_channel(None)
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    logger = _Logger()
+    trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger],
+                              max_steps=12)
+    cb = LayerHealth(every_n_steps=5, read_every_n_steps=10, first_update_steps=3)
+    cb.on_fit_start(trainer, module)
+    read = []
+    for step in range(12):
+        trainer.global_step = step
+        module.net(torch.randn(4, 8)).pow(2).mean().backward()
+        cb.on_before_optimizer_step(trainer, module, opt)
+        opt.step()
+        opt.zero_grad()
+        trainer.global_step += 1
+        cb.on_train_batch_end(trainer, module, None, None, step)
+        read.append(len(cb._rel_hist))
+    assert [s for s, _ in logger.rows] == [0, 1, 2, 5, 10]
+    assert read[:3] == [0, 0, 3] and read[-1] == 12

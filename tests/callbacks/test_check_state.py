@@ -41,7 +41,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "LayerHealth": {"_low_grad": [0, 2], "_low_update": [1, 0], "_seen": [5, 4], "_log_ema": [-1.5, 0.25],
                     "_exploding": {1}, "_counts": {"layer_grad_exploding": 1},
                     "_closest": {"min_grad_rel": 0.01, "min_update_rel": math.inf, "max_explode_ratio": 2.0},
-                    "_grad_checks": 7},
+                    "_grad_checks": 7, "_lost": [3, 0], "_lost_causes": {"eps": ["model.layers.0"]}},
     "OutcomeMonitor": {"_gaps": [0.1, 0.25], "_reported": ["val_gap_growing"]},
     "LossSpike": {"_rollbacks": 1, "_in_row": 2, "_counts": {"loss_spike": 3}, "_checked": 40,
                   "_largest": {"score": 1.5, "step": 30, "z": 9.0, "jump": 0.5}},

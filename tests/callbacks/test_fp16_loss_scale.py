@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dsdebug.callbacks import grad_monitor as grad_monitor_module
-from dsdebug.callbacks import layer_health as layer_health_module
+from dsdebug.callbacks.layer_health import check as layer_health_module
 from dsdebug.callbacks import nan_triage as nan_triage_module
 from dsdebug.callbacks.grad_monitor import GradMonitor
 from dsdebug.callbacks.layer_health import LayerHealth

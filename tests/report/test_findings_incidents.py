@@ -165,3 +165,33 @@ def test_nothing_learned_before_any_nonfinite_step_is_its_own_incident():
     records.append(rec("freeze_verify", "not_updated", step=3, steps=3, message="did not learn in 3 steps"))
     incidents = group(records)
     assert sorted(i.source() for i in incidents) == ["freeze_verify/not_updated", "grad_monitor/nonfinite_grad"]
+
+
+def lost_updates(cause: str = "eps") -> list[dict]:
+    """Every layer's step lost (an eps of 1; a clip 1e-7), as the default model's debug=full run wrote it: layer_health
+    names the layers and the cause at step 2, freeze_verify finds three norm gains unchanged at step 3, and with a
+    clip grad_monitor's clip_dominates follows at step 4."""
+    records = [rec("layer_health", "layer_update_lost", "warning", step=2, layer="model.norm", cause=cause,
+                   layers=["model.norm", "model.layers.0"], message="layer model.norm moves 0.00032 x the step ...")]
+    records.append(rec("freeze_verify", "not_updated", step=3, steps=3, params=["model.layers.1.q_a_layernorm.weight"],
+                       message="3 parameter(s) did not learn in 3 steps"))
+    if cause == "clip":
+        records.append(rec("grad_monitor", "clip_dominates", "warning", step=4, message="2.5e+07x the clip threshold"))
+    return records
+
+
+def test_updates_lost_against_the_optimizer_head_their_consequences():
+    for cause in ("eps", "clip"):
+        incidents = group(lost_updates(cause))
+        assert len(incidents) == 1, [(i.title(), i.source()) for i in incidents]
+        incident = incidents[0]
+        assert incident.source() == "layer_health/layer_update_lost" and incident.cause == "updates_lost"
+        assert incident.title() == "updates far below the optimizer's step from step 2 in model.norm"
+        assert incident.severity == "error"  # freeze_verify's error stays the incident's severity
+        assert {(e.check, e.code) for e in incident.evidence} == {("freeze_verify", "not_updated")} | (
+            {("grad_monitor", "clip_dominates")} if cause == "clip" else set())
+
+
+def test_a_clip_that_dominates_with_no_update_lost_is_its_own_incident():
+    incidents = group([rec("grad_monitor", "clip_dominates", "warning", step=4, message="30x the clip threshold")])
+    assert [i.source() for i in incidents] == ["grad_monitor/clip_dominates"]

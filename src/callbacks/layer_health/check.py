@@ -19,6 +19,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
                                             local_grad, local_param, on_device, sumsq_per_tensor,
                                             unpadded)
+from dsdebug.callbacks.layer_health.expected import ExpectedStep, explain, lost_cause
 from dsdebug.callbacks.loss_scale import read_scaler
 
 __all__ = ["LayerHealth"]
@@ -45,6 +46,11 @@ class LayerHealth(DebugCallback):
       per-group LR shows only here;
     - a layer whose gradient norm jumped > ``explode_factor`` x its own history (geometric EMA,
       after ``warmup_steps`` checks) while the median layer did not (a global jump is grad_monitor's).
+    And one absolute judgement, against the optimizer (``expected``): a layer whose update RMS is below
+    ``lost_ratio`` x the step its optimizer should give (adaptive: ~lr per element with a gradient; SGD: lr x the
+    gradient), with the cause read from host facts (eps, clip, 16-bit weights with no fp32 master copy). The update
+    is measured at each of the first ``first_update_steps`` steps too (judged at the last of them), so a config that
+    loses every step is named in the first steps.
     Layers are blocks (``model.layers.3``, grad_monitor's ``layer_of``): MoE experts that got no
     tokens are part of their block, so they do not look dead. Embedding rows of unseen tokens get
     no gradient: this dilutes its RMS by ~sqrt(seen rows / vocab), orders above ``vanish_ratio``.
@@ -70,12 +76,14 @@ class LayerHealth(DebugCallback):
     |---|---|
     | ``layers/update_ratio/<layer>`` | ``|dW| / |W|`` of the layer's trainable weights over one optimizer step |
     | ``layers/grad_rel/<layer>`` | the layer's gradient RMS / the median layer's gradient RMS |
+    | ``layers/update_vs_optimizer/<layer>`` | the layer's update RMS / the step its optimizer should give |
 
     | finding code | severity | when |
     |---|---|---|
     | ``layer_grad_vanishing_relative`` | warning | grad RMS < ``vanish_ratio`` x median layer's (early: non-zero RMS < ``early_ratio`` x the largest layer's), ``patience`` in a row |
     | ``layer_update_negligible`` | warning | update ratio < ``ratio_floor`` x median layer's, ``patience`` in a row |
     | ``layer_grad_exploding`` | warning | grad norm > ``explode_factor`` x its EMA and x the median layer's jump |
+    | ``layer_update_lost`` | warning | update RMS < ``lost_ratio`` x the optimizer's step, ``patience`` in a row |
     | ``layer_summary`` | info | at the end: per-layer median update ratio and grad_rel, the closest calls |
 
     Resume (``state_attrs``, from all-reduced sums, alike on every rank): per layer the low-gradient and
@@ -84,12 +92,13 @@ class LayerHealth(DebugCallback):
     """
     name = "layer_health"
     state_attrs = ("_low_grad", "_low_update", "_seen", "_log_ema", "_exploding", "_closest", "_counts",
-                   "_grad_checks")
+                   "_grad_checks", "_lost", "_lost_causes")
 
     def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,
                  ratio_floor: float = 1.0e-3, patience: int = 3, explode_factor: float = 10.0,
                  ema_beta: float = 0.9, warmup_steps: int = 50, max_findings_per_code: int = 5,
-                 early_ratio: float = 3.0e-4, read_every_n_steps: int = 10) -> None:
+                 early_ratio: float = 3.0e-4, read_every_n_steps: int = 10, lost_ratio: float = 1.0e-2,
+                 first_update_steps: int = 5) -> None:
         super().__init__()
         self.read_every = read_every_n_steps
         self._queue: list[tuple[torch.Tensor, int, bool, bool]] = []  # (step's [4 x layers], step, update?, nnz?)
@@ -106,7 +115,12 @@ class LayerHealth(DebugCallback):
             max_findings_per_code=(max_findings_per_code, integer(1)),
             read_every_n_steps=(read_every_n_steps, integer(1)),
             early_ratio=(early_ratio, number(0, 1, open_high=True, note="0 = off")),
+            lost_ratio=(lost_ratio, number(0, 1, open_high=True, note="0 = off")),
+            first_update_steps=(first_update_steps, integer(0)),
         )
+        self.lost_ratio, self.first_update_steps = float(lost_ratio), int(first_update_steps)
+        self._expect = ExpectedStep()
+        self._mapped = False
         self.early_ratio = float(early_ratio)
         self.every_n_steps, self.grad_every_n_steps = every_n_steps, grad_every_n_steps
         self.vanish_ratio, self.ratio_floor, self.patience = float(vanish_ratio), float(ratio_floor), patience
@@ -125,6 +139,7 @@ class LayerHealth(DebugCallback):
         self._params = [p for _, p in named]
         self._source = grad_source(trainer.strategy)
         self._scaler = read_scaler(trainer)  # fp16: DeepSpeed's gradients are loss-scaled in the hook
+        self._mapped = False  # the optimizer's groups: mapped at this fit's first optimizer step
         numel = [float(getattr(p, "ds_numel", p.numel())) for p in self._params]
         self.set_layers([layer_of(n) for n, _ in named], numel)
         if self._restored is not None:  # DDP: Lightning restored it before this hook rebuilt the per-layer state
@@ -158,10 +173,13 @@ class LayerHealth(DebugCallback):
         self._grad_checks = 0  # gradient checks judged: the early prior holds for the first warmup_steps
         self._low_grad, self._low_update, self._seen = [0] * n, [0] * n, [0] * n
         self._log_ema, self._exploding = [0.0] * n, set()
+        self._lost = [0] * n  # checks in a row whose update was < lost_ratio x the optimizer's step
+        self._lost_ratios: list[float | None] = [None] * n  # the last check's, for the metrics
+        self._lost_causes: dict[str, list[str]] = {}  # cause -> the layers named with it (one finding per cause)
         self._rel_hist: deque = deque(maxlen=1000)
         self._upd_hist: deque = deque(maxlen=1000)
         self._closest = {"min_grad_rel": math.inf, "min_update_rel": math.inf, "max_explode_ratio": 0.0,
-                         "min_early_rel": math.inf}
+                         "min_early_rel": math.inf, "min_update_vs_optimizer": math.inf}
 
     def per_layer(self, per_param: torch.Tensor) -> torch.Tensor:
         """Per-parameter values summed per layer, where they live."""
@@ -173,7 +191,10 @@ class LayerHealth(DebugCallback):
         if not self._params or not _at_accumulation_boundary(trainer):
             return
         step = trainer.global_step
-        update = self.due(step)
+        if not self._mapped:
+            self._expect.map(trainer, self._params, self._layer_idx, len(self._layers))
+            self._mapped = True
+        update = self.due(step) or (bool(self.every_n_steps) and step < self.first_update_steps)
         if not update and not self.due(step, self.grad_every_n_steps):
             return
         grads = [unpadded(local_grad(p, self._source), p) for p in self._params]
@@ -183,14 +204,15 @@ class LayerHealth(DebugCallback):
             w_sq = _sumsq(weights)
             snapshot = [w.detach().clone() for w in weights]
         nnz = None
-        if self._early():  # non-zero gradient elements per layer (unseen embedding rows, idle experts are 0)
+        if self._early() or update:  # non-zero gradient elements per layer (unseen embedding rows, idle experts: 0)
             present = [g for g in grads if g is not None]
             device = present[0].device if present else torch.device("cpu")
             nnz = self.per_layer(torch.stack([g.count_nonzero() if g is not None else torch.zeros((), device=device,
                                                                                                   dtype=torch.long)
                                               for g in grads]).double())
         factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0  # fp16: unscale
-        self._pending = (step, self.per_layer(_sumsq(grads, factor)), snapshot, w_sq, nnz)
+        lr_sq = self._expect.lr_sq() if update else None  # host floats: the lr this step is taken with
+        self._pending = (step, self.per_layer(_sumsq(grads, factor)), snapshot, w_sq, nnz, lr_sq)
 
     def _early(self) -> bool:
         return self.early_ratio > 0 and self._grad_checks < self.warmup_steps
@@ -199,7 +221,7 @@ class LayerHealth(DebugCallback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._pending is None:
             return
-        step, g_sq, snapshot, w_sq, nnz = self._pending
+        step, g_sq, snapshot, w_sq, nnz, lr_sq = self._pending
         self._pending = None
         dw_sq = None
         if snapshot is not None:  # after the step (ZeRO-1/2: after the all-gather of lp weights)
@@ -218,8 +240,9 @@ class LayerHealth(DebugCallback):
                          dw_sq.to(g_sq.device) / weights_whole if dw_sq is not None else zeros,
                          w_sq.to(g_sq.device) / weights_whole if dw_sq is not None else zeros,
                          nnz.to(g_sq.device) / grads_whole if nnz is not None else zeros])
-        self._queue.append((row, step, dw_sq is not None, nnz is not None))
-        if len(self._queue) >= self.read_every or 0 < (getattr(trainer, "max_steps", 0) or -1) <= trainer.global_step:
+        self._queue.append((row, step, dw_sq is not None, nnz is not None, lr_sq))
+        if len(self._queue) >= self.read_every or step == self.first_update_steps - 1 or \
+                0 < (getattr(trainer, "max_steps", 0) or -1) <= trainer.global_step:  # the first steps: judged early
             self._read(trainer)
 
     def read_queued(self, trainer: Any) -> None:
@@ -232,23 +255,29 @@ class LayerHealth(DebugCallback):
         if not queue:
             return
         n = len(self._layers)
-        rows = collectives.reduce(trainer, torch.stack([r for r, _, _, _ in queue]), "sum").cpu().tolist()
-        for row, (_, step, update, counted) in zip(rows, queue):
+        rows = collectives.reduce(trainer, torch.stack([r for r, *_ in queue]), "sum").cpu().tolist()
+        for row, (_, step, update, counted, lr_sq) in zip(rows, queue):
             self.check(trainer, step, row[:n], row[n:2 * n] if update else None, row[2 * n:3 * n] if update else None,
-                       row[3 * n:] if counted else None)
+                       row[3 * n:] if counted else None, lr_sq)
 
     def check(self, trainer: Any, step: int, g_sq: Values, dw_sq: Values | None = None,
-              w_sq: Values | None = None, nnz: Values | None = None) -> list[tuple[str, str]]:
-        """Judge one step from per-layer (all-reduced) sums of squares (and, early, non-zero counts);
-        returns [(code, layer)] reported."""
+              w_sq: Values | None = None, nnz: Values | None = None,
+              lr_sq: list[float] | None = None) -> list[tuple[str, str]]:
+        """Judge one step from per-layer (all-reduced) sums of squares (and, early, non-zero counts; with the update,
+        each layer's ``sum(numel x lr^2)`` of its groups); returns [(code, layer)] reported."""
         found = self.judge_grads(g_sq, nnz)
-        ratios = None
+        ratios, self._lost_ratios = None, [None] * len(self._layers)
         if dw_sq is not None:
             ratios = [math.sqrt(d / w) if w > 0 else None for d, w in zip(_values(dw_sq), _values(w_sq))]
             found += self.judge_updates(ratios)
+            if lr_sq is not None and self.lost_ratio > 0:
+                found += self.judge_lost(_values(g_sq), _values(dw_sq), _values(w_sq), lr_sq,
+                                         _values(nnz) if nnz is not None else None)
         if ratios is not None and trainer is not None and trainer.global_rank == 0:
             metrics = {f"layers/grad_rel/{k}": v for k, v in zip(self._layers, self._rel_hist[-1]) if v is not None}
             metrics.update({f"layers/update_ratio/{k}": v for k, v in zip(self._layers, ratios) if v is not None})
+            metrics.update({f"layers/update_vs_optimizer/{k}": v for k, v in zip(self._layers, self._lost_ratios)
+                            if v is not None})
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=step)
         for code, i, message, advice, details in found:
@@ -354,6 +383,64 @@ class LayerHealth(DebugCallback):
                               {"update_ratio": r, "median_ratio": med, "relative": r / med}))
         return found
 
+    def judge_lost(self, g_sq: list[float], dw_sq: list[float], w_sq: list[float], lr_sq: list[float],
+                   nnz: list[float] | None = None) -> list[tuple]:
+        """Each layer's update RMS against the step its optimizer should give (adaptive: ~lr per element that has a
+        gradient -- ``nnz`` of them: unseen embedding rows have none; SGD: lr x the gradient); layers whose update
+        is below ``lost_ratio`` x that (16-bit weights the optimizer writes directly, where the step is below half
+        their spacing: 0.5 x) for ``patience`` checks are named, grouped by cause
+        (one finding per cause, the layers listed). A step with no update anywhere is a skipped step (fp16 overflow,
+        a skip policy): not judged, unless the weights are 16-bit with no fp32 master (the step may have rounded
+        away everywhere)."""
+        exp, n = self._expect, len(self._layers)
+        if not any(v > 0 for v in dw_sq) and all(b is None for b in exp.bits):
+            return []
+        finite = [v for v in g_sq if math.isfinite(v)]
+        gnorm = math.sqrt(sum(finite)) if len(finite) == len(g_sq) else math.nan
+        coef = min(1.0, exp.clip / gnorm) if exp.clip and gnorm > 0 else 1.0
+        named: dict[str, list[tuple[int, dict]]] = {}
+        for i in range(n):
+            numel, kind = self._numel_list[i], exp.kind[i]
+            if kind is None or numel <= 0 or lr_sq[i] <= 0 or not (0 < g_sq[i] < math.inf):
+                self._lost[i] = 0  # not judged: no optimizer mapping, lr 0 (warm-up's first step), no gradient
+                continue
+            lr, grms, wrms = (math.sqrt(lr_sq[i] / numel), math.sqrt(g_sq[i] / numel), math.sqrt(w_sq[i] / numel))
+            moving = min(numel, nnz[i]) if nnz is not None and nnz[i] > 0 else numel  # elements with a gradient
+            should = lr if kind == "adaptive" else lr * grms * math.sqrt(numel / moving)  # per moving element
+            ratio = math.sqrt(dw_sq[i] / moving) / should
+            self._lost_ratios[i] = ratio
+            self._closest["min_update_vs_optimizer"] = min(self._closest["min_update_vs_optimizer"], ratio)
+            bits = exp.bits[i]
+            floor = max(self.lost_ratio, 0.5) if bits is not None and should < wrms * 2.0 ** -(bits + 1) \
+                else self.lost_ratio  # 16-bit weights, a step below half their spacing: most of it rounds away
+            self._lost[i] = self._lost[i] + 1 if ratio < floor else 0
+            if self._lost[i] == self.patience:
+                cause = lost_cause(kind, should, grms, exp.eps[i], coef, bits, wrms)
+                named.setdefault(cause, []).append((i, {"ratio": ratio, "lr": lr, "grad_rms": grms, "weight_rms": wrms,
+                                                        "update_rms": ratio * should, "eps": exp.eps[i],
+                                                        "moving_fraction": moving / numel, "floor": floor}))
+        found = [self._lost_finding(cause, layers, gnorm, coef) for cause, layers in named.items()
+                 if cause not in self._lost_causes]  # a cause already reported: its later layers are listed only
+        for cause, layers in named.items():
+            self._lost_causes.setdefault(cause, []).extend(self._layers[i] for i, _ in layers)
+        return found
+
+    def _lost_finding(self, cause: str, layers: list[tuple[int, dict]], gnorm: float, coef: float) -> tuple:
+        i, facts = min(layers, key=lambda x: x[1]["ratio"])
+        exp, name = self._expect, self._layers[i]
+        others = f" (and {len(layers) - 1} more: {', '.join(self._layers[j] for j, _ in layers if j != i)[:200]})" \
+            if len(layers) > 1 else ""
+        head = (f"layer {name}{others} moves {facts['ratio']:.2g} x the step its optimizer ({exp.optimizer_name}, "
+                f"lr {facts['lr']:.3g}) should give (update RMS {facts['update_rms']:.3g} per element with a "
+                f"gradient) for {self.patience} checks in a row, below "
+                + (f"lost_ratio={self.lost_ratio:g}" if facts["floor"] == self.lost_ratio else
+                   f"{facts['floor']:g} (16-bit weights, a step below half their spacing)"))
+        why = explain(cause, facts, exp.clip, coef, gnorm)
+        details = {"cause": cause, "layers": [self._layers[j] for j, _ in layers], "optimizer": exp.optimizer_name,
+                   "clip": exp.clip, "clip_coef": coef, "grad_norm": gnorm if math.isfinite(gnorm) else None,
+                   **facts}
+        return ("layer_update_lost", i, head + why[0], why[1], details)
+
     # ---- findings: rank 0 writes (every rank took the same decision) -----------------------
     def _emit(self, trainer: Any, step: int, code: str, message: str, advice: str, details: dict) -> None:
         self.report_capped(trainer, "warning", code, f"step {step}: {message}", advice, details, rank=None,
@@ -372,6 +459,7 @@ class LayerHealth(DebugCallback):
                     f"{len(self._layers)} layers, {len(self._rel_hist)} gradient / {len(self._upd_hist)} update "
                     f"checks; median update ratio per layer: {table or 'not measured'}; findings: {counts}",
                     details={"layers": self._layers, "median_update_ratio": med_upd, "median_grad_rel": med_rel,
+                             "update_lost": dict(self._lost_causes),
                              "counts": dict(self._counts), "source": self._source,
                              **{k: (v if math.isfinite(v) else None) for k, v in self._closest.items()}}, rank=None)
 
