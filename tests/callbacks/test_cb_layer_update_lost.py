@@ -149,3 +149,22 @@ def test_an_unmapped_or_lr_zero_layer_is_not_judged():
 ])
 def test_the_cause_follows_the_facts(args, cause):
     assert lost_cause(*args) == cause
+
+
+def test_the_optimizer_kind_decides_what_step_is_expected():
+    from dsdebug.callbacks.layer_health.expected import _kind
+
+    p = [nn.Parameter(torch.ones(2, 2))]
+    assert _kind(torch.optim.AdamW(p), torch.optim.AdamW(p).param_groups[0]) == "adaptive"
+    assert _kind(torch.optim.RMSprop(p), torch.optim.RMSprop(p).param_groups[0]) == "adaptive"
+    sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    assert _kind(sgd, sgd.param_groups[0]) == "sgd"
+
+    class Muon(torch.optim.SGD):  # an orthogonalised step: ~lr / sqrt(width) per element, not judged against lr
+        pass
+    assert _kind(Muon(p, lr=0.1), {"lr": 0.1, "momentum": 0.95, "eps": 1e-7}) is None
+    assert _kind(object(), {"lr": None, "scale_parameter": True}) is None  # no betas, no eps: unknown
+
+    class Adafactor(torch.optim.SGD):  # transformers': a step relative to the weight's RMS
+        pass
+    assert _kind(Adafactor(p, lr=0.1), {"lr": 1e-3, "eps": (1e-30, 1e-3), "beta1": None}) is None

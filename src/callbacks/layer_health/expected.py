@@ -109,7 +109,12 @@ class ExpectedStep:
 
 
 def _kind(optimizer: Any, group: dict) -> str | None:
-    if type(optimizer).__name__ == "SGD" or ("momentum" in group and "betas" not in group and "eps" not in group):
+    """adaptive | sgd | None (not judged: Muon's orthogonalised step is ~lr / sqrt(width) per element, Adafactor's
+    step is relative to the weight's RMS, an unknown optimizer)."""
+    name = type(optimizer).__name__
+    if "Muon" in name or "Adafactor" in name or group.get("use_muon"):
+        return None
+    if name == "SGD" or ("momentum" in group and "betas" not in group and "eps" not in group):
         return "sgd"
     if "betas" in group or "eps" in group:
         return "adaptive"
