@@ -18,36 +18,18 @@ global backend switch, no display needed, safe to call inside a training process
 
 from __future__ import annotations
 
-import io
 import math
-import re
 from collections.abc import Callable
 
+from dsdebug.report.figure import figure, finite, natural, png
 from dsdebug.report.load import RunData
+from dsdebug.report.plots_moe import router_share
+
+__all__ = ["FIGURES", "bars", "comm_compute", "grad_norms", "how_to_enable", "loss", "loss_key", "loss_overlay",
+           "moe_load", "moe_missing", "rank_memory", "rank_step_time"]
 
 _PHASES = ("data", "forward", "backward", "optimizer")
 _GRAD_SKIP = {"grad/norm/global"}
-
-
-def _figure(width: float = 7.5, height: float = 3.4):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=90)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png(fig) -> bytes:
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
-def _finite(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
-    pairs = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
-    return [s for s, _ in pairs], [v for _, v in pairs]
 
 
 def loss_key(run: RunData, split: str) -> str:
@@ -61,10 +43,10 @@ def loss_key(run: RunData, split: str) -> str:
 
 def loss(run: RunData) -> bytes | None:
     train_key, val_key = loss_key(run, "train"), loss_key(run, "val")
-    train, val = _finite(*run.series(train_key)), _finite(*run.series(val_key))
+    train, val = finite(*run.series(train_key)), finite(*run.series(val_key))
     if not train[0] and not val[0]:
         return None
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot(111)
     if train[0]:  # a short run logs a few points: markers, or a single point draws nothing
         ax.plot(*train, label=train_key, color="tab:blue", lw=1.2, marker="o" if len(train[0]) < 12 else None, ms=3)
@@ -83,7 +65,7 @@ def loss(run: RunData) -> bytes | None:
         lines, labels = lines + more_lines, labels + more_labels
     ax.legend(lines, labels, fontsize=7, loc="upper right")
     ax.set_title("loss and learning rate")
-    return _png(fig)
+    return png(fig)
 
 
 def _heatmap(run: RunData, keys: list[str], title: str, label: str, log_scale: bool) -> bytes | None:
@@ -98,7 +80,7 @@ def _heatmap(run: RunData, keys: list[str], title: str, label: str, log_scale: b
         for s, v in run.history[key]:
             if math.isfinite(v):
                 grid[row, col[s]] = math.log10(v) if log_scale and v > 0 else (v if not log_scale else np.nan)
-    fig = _figure(7.5, max(2.4, 0.9 + 0.22 * len(keys)))
+    fig = figure(7.5, max(2.4, 0.9 + 0.22 * len(keys)))
     ax = fig.add_subplot(111)
     image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_yticks(range(len(keys)))
@@ -109,7 +91,7 @@ def _heatmap(run: RunData, keys: list[str], title: str, label: str, log_scale: b
     ax.set_xlabel("step")
     fig.colorbar(image, ax=ax, label=label)
     ax.set_title(title)
-    return _png(fig)
+    return png(fig)
 
 
 def grad_norms(run: RunData) -> bytes | None:
@@ -120,10 +102,10 @@ def grad_norms(run: RunData) -> bytes | None:
 
 
 def _band(run: RunData, stat: str, title: str, unit: str) -> bytes | None:
-    series = {part: _finite(*run.series(f"ranks/{stat}_{part}")) for part in ("min", "mean", "max")}
+    series = {part: finite(*run.series(f"ranks/{stat}_{part}")) for part in ("min", "mean", "max")}
     if not series["mean"][0]:
         return None
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot(111)
     lo, hi = series["min"], series["max"]
     steps, mid = series["mean"]
@@ -134,7 +116,7 @@ def _band(run: RunData, stat: str, title: str, unit: str) -> bytes | None:
         if lo[0] and hi[0] and lo[0] == hi[0]:
             ax.fill_between(lo[0], lo[1], hi[1], alpha=0.3, color="tab:blue", label="min..max over ranks")
         ax.plot(steps, mid, color="tab:blue", marker="o" if len(steps) < 12 else None, ms=3, label="mean over ranks")
-    slow = _finite(*run.series(f"ranks/{stat}_max_rank"))
+    slow = finite(*run.series(f"ranks/{stat}_max_rank"))
     if slow[1]:
         ax.set_title(f"{title} (max held most often by rank {max(set(slow[1]), key=slow[1].count):.0f})")
     else:
@@ -142,7 +124,7 @@ def _band(run: RunData, stat: str, title: str, unit: str) -> bytes | None:
     ax.set_xlabel("step")
     ax.set_ylabel(unit)
     ax.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def rank_step_time(run: RunData) -> bytes | None:
@@ -153,20 +135,15 @@ def rank_memory(run: RunData) -> bytes | None:
     return _band(run, "mem_mb", "memory per rank", "MB")
 
 
-def _natural(key: str) -> list:
-    """'moe/load/L10/E2' sorts after 'moe/load/L9/E10': numbers compare as numbers."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
-
-
 def moe_load(run: RunData) -> bytes | None:
     per_expert = sorted((k for k in run.keys("moe/") if k != "moe/load_imbalance" and "load" in k and run.history[k]),
-                        key=_natural)
+                        key=natural)
     if len(per_expert) > 1:
         return _heatmap(run, per_expert, "MoE expert load", "share of tokens", log_scale=False)
-    steps, values = _finite(*run.series("moe/load_imbalance"))
+    steps, values = finite(*run.series("moe/load_imbalance"))
     if not steps:
         return None
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot(111)
     ax.plot(steps, values, color="tab:purple", label="moe/load_imbalance")
     ax.axhline(1.0, color="grey", ls=":", lw=0.8, label="balanced")
@@ -174,11 +151,11 @@ def moe_load(run: RunData) -> bytes | None:
     ax.set_ylabel("busiest expert share x E")
     ax.set_title("MoE expert load imbalance")
     ax.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def _stack(steps: list[int], layers: dict[str, list[float]], title: str, unit: str) -> bytes:
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot(111)
     if len(steps) <= 12:  # a few logged steps: stacked bars (a stackplot of one step is invisible)
         bottom = [0.0] * len(steps)
@@ -191,12 +168,12 @@ def _stack(steps: list[int], layers: dict[str, list[float]], title: str, unit: s
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper right")
-    return _png(fig)
+    return png(fig)
 
 
 def _aligned(run: RunData, keys: list[str]) -> tuple[list[int], list[list[float]]]:
     """Steps where every key has a finite value, and the values per key."""
-    maps = [{s: v for s, v in zip(*_finite(*run.series(k)))} for k in keys]
+    maps = [{s: v for s, v in zip(*finite(*run.series(k)))} for k in keys]
     steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
     return steps, [[m[s] for s in steps] for m in maps]
 
@@ -221,12 +198,6 @@ def comm_compute(run: RunData) -> bytes | None:
     if steps:
         return _stack(steps, dict(zip(names.values(), values)), "step time by phase (DeepSpeed timers, rank 0)", "ms")
     return None
-
-
-def _plots_moe():
-    from dsdebug.report import plots_moe  # imports this module's helpers: import it late
-
-    return plots_moe
 
 
 def moe_missing(run: RunData) -> str:
@@ -301,7 +272,7 @@ FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[
     "rank_step_time": ("Step time per rank", rank_step_time, _enable("logs", "log_sync", "LogSync", "step times")),
     "rank_memory": ("Memory per rank", rank_memory, _enable("logs", "log_sync", "LogSync", "memory")),
     "moe_load": ("MoE expert load", moe_load, moe_missing),
-    "moe_router": ("MoE router: token share per expert", lambda run: _plots_moe().router_share(run),
+    "moe_router": ("MoE router: token share per expert", router_share,
                    _router_missing),
     "comm_compute": ("Communication vs compute", comm_compute, _comm_missing),
 }
@@ -309,13 +280,13 @@ FIGURES: dict[str, tuple[str, Callable[[RunData], bytes | None], str | Callable[
 
 def loss_overlay(runs: dict[str, RunData]) -> bytes | None:
     """train/loss (solid) and val/loss (dashed) of several runs on one axis (compare)."""
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot(111)
     drawn = False
     for i, (name, run) in enumerate(runs.items()):
         color = f"C{i}"
         for key, style in (("train/loss", "-"), ("val/loss", "--")):
-            steps, values = _finite(*run.series(key))
+            steps, values = finite(*run.series(key))
             if steps:
                 ax.plot(steps, values, ls=style, color=color, lw=1.1, label=f"{name} {key}")
                 drawn = True
@@ -325,18 +296,18 @@ def loss_overlay(runs: dict[str, RunData]) -> bytes | None:
     ax.set_ylabel("loss")
     ax.set_title("loss curves")
     ax.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 def bars(labels: list[str], values: list[float], title: str, ylabel: str) -> bytes | None:
     pairs = [(lab, v) for lab, v in zip(labels, values) if isinstance(v, (int, float)) and math.isfinite(v)]
     if not pairs:
         return None
-    fig = _figure(7.5, 3.2)
+    fig = figure(7.5, 3.2)
     ax = fig.add_subplot(111)
     ax.bar(range(len(pairs)), [v for _, v in pairs], color="tab:blue")
     ax.set_xticks(range(len(pairs)))
     ax.set_xticklabels([lab for lab, _ in pairs], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    return _png(fig)
+    return png(fig)

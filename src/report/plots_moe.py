@@ -7,7 +7,10 @@ all-reduced ``[layers x experts]`` share into its details), with the per-window 
 
 from __future__ import annotations
 
+from dsdebug.report.figure import figure, finite, natural, png
 from dsdebug.report.load import RunData
+
+__all__ = ["router_share"]
 
 
 def _summary(run: RunData) -> dict | None:
@@ -22,13 +25,11 @@ def router_share(run: RunData) -> bytes | None:
         return None
     import numpy as np
 
-    from dsdebug.report.plots import _figure, _finite, _natural, _png
-
-    layers = sorted(details["share"], key=_natural)
+    layers = sorted(details["share"], key=natural)
     grid = np.array([details["share"][layer] for layer in layers], dtype=float)
     experts = grid.shape[1]
     entropy = [k for k in run.keys("moe_router/load_entropy/") if run.history[k]]
-    fig = _figure(7.5, max(2.6, 1.2 + 0.35 * len(layers)))
+    fig = figure(7.5, max(2.6, 1.2 + 0.35 * len(layers)))
     ax = fig.add_subplot(1, 2 if entropy else 1, 1)
     image = ax.imshow(grid * experts, aspect="auto", interpolation="nearest", cmap="magma", vmin=0)
     ax.set_yticks(range(len(layers)))
@@ -44,10 +45,10 @@ def router_share(run: RunData) -> bytes | None:
     fig.colorbar(image, ax=ax, label="share x E")
     if entropy:
         ax2 = fig.add_subplot(1, 2, 2)
-        for key in sorted(entropy, key=_natural):
-            ax2.plot(*_finite(*run.series(key)), marker="o", ms=2, lw=1, label=key.rsplit("/", 1)[-1])
+        for key in sorted(entropy, key=natural):
+            ax2.plot(*finite(*run.series(key)), marker="o", ms=2, lw=1, label=key.rsplit("/", 1)[-1])
         ax2.set_ylim(0, 1.05)
         ax2.set_xlabel("step")
         ax2.set_title("load entropy per window (1 uniform, 0 collapsed)", fontsize=8)
         ax2.legend(fontsize=6)
-    return _png(fig)
+    return png(fig)

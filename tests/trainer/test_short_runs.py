@@ -27,10 +27,11 @@ def test_short_run_logs_and_validates_its_last_step(tmp_path, shared_cache):
     assert [r["step"] for r in rows if "train/loss" in r] == [4]  # the last step, though not a multiple of 10
 
     from dsdebug.report.load import load_run
-    from dsdebug.report.plots import _finite, loss
+    from dsdebug.report.figure import finite
+    from dsdebug.report.plots import loss
 
     run = load_run(run_dir)
-    assert _finite(*run.series("train/loss"))[0] == [4] and loss(run) is not None
+    assert finite(*run.series("train/loss"))[0] == [4] and loss(run) is not None
     md = (run_dir / "report.md").read_text()
     assert "![Loss and learning rate](report_files/loss.png)" in md and (run_dir / "report_files" / "loss.png").is_file()
     assert f"| val/loss | {m['val/loss']:.4f} |" in md  # the report and metrics.json agree
