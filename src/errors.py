@@ -20,6 +20,9 @@ import re
 import sys
 from typing import Any, NoReturn
 
+__all__ = ["ConfigError", "EXTRAS", "PreemptedAtStartup", "StoppedByCheck", "fail", "is_out_of_memory",
+           "is_rank_zero", "missing_extra"]
+
 EXIT_OK, EXIT_CRASHED, EXIT_BAD_INPUT, EXIT_STOPPED_BY_CHECK = 0, 1, 2, 3
 
 

@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+__all__ = ["ENV_ENTRY", "config_dir", "main"]
+
 ENV_ENTRY = "DSDEBUG_ENTRY"  # the script a sweep job re-runs (submitit pickles the task function)
 
 

@@ -20,6 +20,8 @@ from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.distributed.timing import CommTracker, register_ddp_hook
 
+__all__ = ["CommDebug", "DISTRIBUTED_DEBUG_LEVELS", "NCCL_DEBUG_LEVELS"]
+
 log = logging.getLogger(__name__)
 
 def _pg_timeout() -> str:

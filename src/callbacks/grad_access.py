@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+__all__ = ["base_optimizer", "decay_coupled", "display_name", "grad_source", "layer_of", "local_grad", "local_param",
+           "on_device", "optimizer_param_groups", "optimizer_param_lrs", "run_clip", "step_loss", "sumsq_per_tensor",
+           "unpadded", "untrained_vocab"]
+
 _NUMBERED = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.x" -> "model.layers.3"
 
 

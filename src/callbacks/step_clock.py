@@ -7,6 +7,8 @@ import time
 
 from dsdebug.distributed.timing import CommTracker
 
+__all__ = ["StepClock"]
+
 
 class StepClock:
     """One rank's step windows: train batch end -> next train batch end (data loading and

@@ -1,1 +1,3 @@
 """Checkpoints: manifests and integrity, resume and reshard, the final export."""
+
+__all__ = []

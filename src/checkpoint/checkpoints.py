@@ -24,6 +24,9 @@ from lightning.pytorch import Callback
 
 from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, manifest_path, save_verified, verify_checkpoint
 
+__all__ = ["FinalCheckpoint", "RESUME_MODES", "align_special_token_ids", "export_final", "is_complete_checkpoint",
+           "is_legacy_checkpoint", "list_checkpoints", "resolve_ckpt_path"]
+
 log = logging.getLogger(__name__)
 
 

@@ -33,6 +33,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["CheckpointError", "FORMAT", "LATEST", "MANIFEST", "SAVE_WINDOWS", "VerifiedModelCheckpoint",
+           "atomic_write_text", "checkpoint_meta", "finalize_checkpoint", "has_manifest", "manifest_path",
+           "read_manifest", "save_verified", "verify_checkpoint", "write_manifest"]
+
 log = logging.getLogger(__name__)
 
 FORMAT = "dsdebug.checkpoint-manifest/1"

@@ -36,6 +36,8 @@ from dsdebug.distributed.collectives import any_rank
 from dsdebug.distributed import startup_signals
 from dsdebug.errors import ConfigError
 
+__all__ = ["PreemptionCheckpoint", "SIGNALS"]
+
 log = logging.getLogger(__name__)
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGCONT")

@@ -25,6 +25,8 @@ from typing import Any
 
 from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, read_manifest, write_manifest
 
+__all__ = ["current_layout", "enable_universal_loading", "plan_resume", "to_universal"]
+
 log = logging.getLogger(__name__)
 
 try:

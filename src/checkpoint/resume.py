@@ -49,6 +49,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, read_manifest
 from dsdebug.findings.secrets import redact
 
+__all__ = ["LAYOUT", "NOT_COMPARED", "SECTIONS", "TRAINER_KEYS", "WANDB_ID_FILE", "check_resume_config",
+           "config_differences", "in_place_step", "prepare_loggers", "settle_run_dir"]
+
 log = logging.getLogger(__name__)
 
 SECTIONS = ("model", "data", "strategy")

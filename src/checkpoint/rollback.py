@@ -21,6 +21,9 @@ import torch
 
 from dsdebug.checkpoint.integrity import CheckpointError, atomic_write_text, has_manifest, read_manifest, verify_checkpoint
 
+__all__ = ["FORMAT", "SKIP_FILE", "append_record", "checkpoint_dir", "convert_range", "exclusions_for_resume",
+           "load_weights_and_optimizer", "newest_verified", "position_ranges", "read_record"]
+
 log = logging.getLogger(__name__)
 
 SKIP_FILE = "skipped_batches.json"

@@ -20,6 +20,8 @@ from typing import Any
 
 from dsdebug.errors import PreemptedAtStartup
 
+__all__ = ["end_preempted_at_startup"]
+
 log = logging.getLogger(__name__)
 
 

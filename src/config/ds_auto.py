@@ -28,6 +28,8 @@ from typing import Any
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["resolve_auto_values"]
+
 # Keys that Lightning fills itself when absent: an "auto" there just means "absent".
 _LIGHTNING_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 _ZERO_AUTO = {

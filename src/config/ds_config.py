@@ -24,6 +24,8 @@ from typing import Any, Callable
 from dsdebug.errors import ConfigError
 from dsdebug.config import ds_keys
 
+__all__ = ["apply_ds_json_to_cfg", "check_ds_json", "load_ds_config", "read_ds_config", "settle_batch"]
+
 log = logging.getLogger(__name__)
 
 # deprecated ZeRO keys DeepSpeed still maps, rewritten here so the framework sees the new form

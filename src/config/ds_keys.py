@@ -25,6 +25,9 @@ from typing import Any
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["APPLIED", "CHECKPOINTING_DS_ONLY", "DS_OPTIMIZERS", "HONOURED", "IGNORED", "KNOWN", "REFUSABLE",
+           "REPLACES", "SETTLED", "ignored_keys", "refusals", "unknown_keys"]
+
 SETTLED = {
     "train_batch_size": "with train_micro_batch_size_per_gpu and gradient_accumulation_steps, DeepSpeed's rule "
                         "gives data.batch_size and trainer.accumulate_grad_batches",

@@ -18,6 +18,8 @@ from typing import Any
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["apply_global_batch_size", "check_global_batch_size", "world_size"]
+
 log = logging.getLogger(__name__)
 
 _DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

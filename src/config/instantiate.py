@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 
 from dsdebug.errors import ConfigError, missing_extra
 
+__all__ = ["instantiate_callbacks", "instantiate_loggers", "instantiate_section"]
+
 log = logging.getLogger(__name__)
 
 _UNEXPECTED_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")

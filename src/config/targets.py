@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["check_targets", "target_problem"]
+
 
 def check_targets(cfg: DictConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=False)

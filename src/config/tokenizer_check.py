@@ -36,6 +36,9 @@ from omegaconf import DictConfig, open_dict
 from dsdebug.errors import ConfigError
 from dsdebug.data.tokenizer_facts import ROLES, check_has_eos, TOKENIZER_MARKERS, TokenizerFacts, facts_from_files, tokenizer_files
 
+__all__ = ["TokenizerChoice", "check_fits_model", "check_tokenizer", "check_vocab_size", "choose_tokenizer",
+           "settle_tokenizer", "settle_vocab_size"]
+
 log = logging.getLogger(__name__)
 
 # -- the rules ------------------------------------------------------------------------------

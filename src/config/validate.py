@@ -29,6 +29,8 @@ from dsdebug.models.ckpt_mode import checkpointing_mode
 from dsdebug.models.kernel_options import compile_setting, cross_entropy_mode
 from dsdebug.config.tokenizer_check import check_tokenizer
 
+__all__ = ["OutputDirCheck", "PRECISIONS", "dir_problem", "fp16_supported", "pretrained_config", "validate_config"]
+
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 
 # What to give for a mandatory (`???`) value, by key.

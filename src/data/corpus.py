@@ -28,6 +28,9 @@ import numpy as np
 from dsdebug.data.text_files import TextFileReader, match_files
 from dsdebug.errors import ConfigError
 
+__all__ = ["Corpus", "HFDatasetCorpus", "KJVCorpus", "SyntheticCorpus", "TextCorpus", "TextFilesCorpus",
+           "resolve_path"]
+
 
 class Corpus:
     """Base of all sources: `fingerprint()` identifies the content (cache key)."""

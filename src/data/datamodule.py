@@ -56,6 +56,8 @@ from dsdebug.data.token_budget import (
 from dsdebug.data.tokenizer import MIN_VOCAB_SIZE, ensure_cache
 from dsdebug.errors import ConfigError
 
+__all__ = ["LMDataModule", "SOURCES"]
+
 SOURCES = "dsdebug.data.corpus.{KJVCorpus, TextFilesCorpus, HFDatasetCorpus, SyntheticCorpus}"
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,8 @@ from dsdebug.data.tokenizer import ENCODE_BATCH, batched
 from dsdebug.errors import ConfigError
 from dsdebug.data.tokenizer_facts import TOKENIZER_FILES, check_has_eos, TOKENIZER_MARKERS, facts_from_tokenizer, tokenizer_files
 
+__all__ = ["PretrainedTokenizer", "copy_tokenizer_files"]
+
 
 class PretrainedTokenizer:
     """``name``: a directory with tokenizer files, or a hub id ('org/name').

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+__all__ = ["EpochShuffleSampler", "ResumableDataLoader", "ResumePosition", "batches_consumed_in_epoch"]
+
 
 class EpochShuffleSampler(RandomSampler):
     def __init__(self, data_source: Any, seed: int = 0) -> None:

@@ -23,6 +23,8 @@ from typing import Iterator
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["CONTROL_SHARE", "SNIFF_CHARS", "TEXT_SUFFIXES", "TextFileReader", "binary_evidence", "match_files"]
+
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".jsonl")  # what a directory scan picks up

@@ -40,6 +40,10 @@ from transformers import PreTrainedTokenizerFast
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["CACHE_FORMAT", "ENCODE_BATCH", "EOS_TOKEN", "MIN_VOCAB_SIZE", "PAD_TOKEN", "SPECIAL_TOKENS", "TokenCache",
+           "batched", "cache_key", "encode_documents", "ensure_cache", "entry_problem", "find_cache", "token_dtype",
+           "train_bpe", "wrap"]
+
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"  # end of document, also the separator between packed docs

@@ -12,6 +12,9 @@ from typing import Any
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["ROLES", "TOKENIZER_FILES", "TOKENIZER_MARKERS", "TokenizerFacts", "check_has_eos", "facts_from_files",
+           "facts_from_tokenizer", "tokenizer_files"]
+
 # Files a tokenizer is made of (what save_pretrained writes, old and new formats); weights and the
 # model's config.json are not among them. The first group marks a directory as holding a tokenizer.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

@@ -8,6 +8,8 @@ import signal
 import subprocess
 from typing import Any
 
+__all__ = ["state"]
+
 
 class _State:
     step: int | None = None  # last optimizer step, for the finding

@@ -23,6 +23,8 @@ import warnings
 
 from dsdebug.errors import is_rank_zero
 
+__all__ = ["KNOWN_WARNINGS", "LIGHTNING_LOGGERS", "filter_known_warnings", "quiet_console", "single_handler"]
+
 LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
 # (category, message regex, module regex, why it is filtered)

@@ -22,6 +22,8 @@ import os
 import pickle
 from pathlib import Path
 
+__all__ = ["BUFFER_ENV", "DIR", "PREFIX", "dump_flight_recorder", "dump_path"]
+
 log = logging.getLogger(__name__)
 
 DIR = "flight_recorder"

@@ -9,6 +9,8 @@ import threading
 import traceback
 from typing import Any
 
+__all__ = ["analyze", "describe_hang", "is_waiting", "where_is"]
+
 
 _COMM_PATHS = ("torch/distributed/", "deepspeed/comm/", "torch/nn/parallel/distributed.py")
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+__all__ = ["DEFAULT", "ENV", "MARK", "fix_hash_seed", "match_config", "wanted"]
+
 ENV = "PYTHONHASHSEED"
 MARK = "DSDEBUG_HASH_SEED_FROM_ENTRY"  # the value fix_hash_seed chose (not the user's)
 DEFAULT = "0"  # conf/callbacks/reproducibility.yaml hash_seed (tests/distributed/test_hash_seed.py holds them equal)

@@ -32,6 +32,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+__all__ = ["BEAT_S", "Heartbeat", "PREFIX", "QUICK_STALE_S", "STALE_S", "STORE_TIMEOUT_S", "describe",
+           "looks_like_comm_failure", "pid_gone", "side_store"]
+
 log = logging.getLogger(__name__)
 
 PREFIX = "dsdebug/liveness"

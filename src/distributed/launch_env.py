@@ -25,6 +25,8 @@ from omegaconf import open_dict
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["LauncherWorld", "check_launcher_matches", "detect"]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,6 +22,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from dsdebug.distributed.liveness import ENV_PARENT, watch_children
 from dsdebug.distributed.liveness import state as liveness_state
 
+__all__ = ["HydraAwareLauncher", "HydraLauncherMixin", "hydra_child_command"]
+
 log = logging.getLogger(__name__)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import socket
 
+__all__ = ["HOST", "HostFormatter"]
+
 HOST = socket.gethostname()
 
 

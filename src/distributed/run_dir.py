@@ -28,6 +28,8 @@ from typing import Any
 
 from dsdebug.distributed.launch_env import LauncherWorld, detect
 
+__all__ = ["AGREE_TIMEOUT_S", "ENV_RUN_ID", "agree", "main_argv", "slurm_run_id", "strip_local_rank"]
+
 ENV_RUN_ID = "DSDEBUG_RUN_ID"
 _KEY = "dsdebug/run_id"
 AGREE_TIMEOUT_S = 600  # how long a rank waits for rank 0 to name the dir (ranks of a job start together)

@@ -24,6 +24,9 @@ import signal
 import threading
 from typing import Any
 
+__all__ = ["DEFAULT_SIGNALS", "is_recorder", "received", "received_name", "record_from_now", "settle",
+           "stop_if_received", "take_over"]
+
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")  # conf/train.yaml preemption.signals
 
 _received: int | None = None

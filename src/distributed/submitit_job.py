@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["JobSignals", "check_shape", "check_sweep", "child_overrides", "current_job", "launcher_kind"]
+
 log = logging.getLogger(__name__)
 
 _KINDS = {"SlurmLauncher": "submitit_slurm", "LocalLauncher": "submitit_local"}

@@ -27,6 +27,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+__all__ = ["JOB_STATUS", "METRICS", "SweepSummary", "fill_wandb_sweep_identity", "run_job_in_subprocess",
+           "wandb_sweep_identity"]
+
 log = logging.getLogger(__name__)
 
 JOB_STATUS = "job_status.json"

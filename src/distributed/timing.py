@@ -18,6 +18,8 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+__all__ = ["CommTracker", "payload_bytes", "register_ddp_hook"]
+
 log = logging.getLogger(__name__)
 
 # torch.distributed entry points that DeepSpeed's comm backend, Lightning and user code call

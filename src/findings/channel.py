@@ -28,6 +28,9 @@ from typing import Any
 
 from dsdebug.findings.secrets import redact
 
+__all__ = ["FINDINGS_FILE", "Finding", "FindingsChannel", "SEVERITIES", "auto_configure", "configure_channel",
+           "console_handler", "get_channel", "needs_auto"]
+
 SEVERITIES = ("info", "warning", "error")
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 FINDINGS_FILE = "findings.jsonl"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+__all__ = ["name_ranks", "rank_ranges"]
+
 
 def rank_ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5``."""

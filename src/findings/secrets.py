@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+__all__ = ["REDACTED", "SECRET_KEY", "redact", "redact_text"]
+
 # "token" (hf_token, access_token, WANDB_TOKEN) but not "tokenizer" (a path), "tokens" (counts such as
 # data.max_tokens), a token budget or id (data.token_budget, token_budget_lr, pad_token_id) or a tokenizer's
 # special token (pad_token, eos_token: their values are strings such as "</s>")

@@ -33,6 +33,8 @@ from dsdebug.findings.channel import Finding, FindingsChannel
 from dsdebug.findings.incidents import group, verdict
 from dsdebug.findings.secrets import redact_text
 
+__all__ = ["DashboardSink", "INCIDENT_COLUMNS", "TABLE_COLUMNS", "attach_dashboards", "markdown_line"]
+
 log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = ["severity", "check", "code", "step", "rank", "message", "advice"]

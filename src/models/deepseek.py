@@ -42,6 +42,9 @@ from transformers import (
 from dsdebug.errors import ConfigError
 from dsdebug.models.mla_attention import SDPA_PAD_V  # noqa: F401 - registers attn_implementation="sdpa_pad_v"
 
+__all__ = ["FAST_EXPERTS_IMPLEMENTATION", "build_deepseek_v2", "build_deepseek_v3", "experts_implementation",
+           "load_pretrained", "save_pretrained_dir"]
+
 log = logging.getLogger(__name__)
 
 # The HF default `grouped_mm`; NOTES.md measured `batched_mm` ~30x slower on CPU.

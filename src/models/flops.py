@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+__all__ = ["GPU_PEAK_TFLOPS", "active_params", "flops_per_token", "gpu_peak_flops", "measure_peak_flops"]
+
 # Dense bf16/fp16 tensor-core peak, TFLOP/s (vendor spec sheets, no sparsity), matched on
 # torch.cuda.get_device_name() substrings; the first match wins (most specific first).
 GPU_PEAK_TFLOPS = (

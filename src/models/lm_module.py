@@ -59,6 +59,8 @@ from dsdebug.models.lm_loss import IGNORE_INDEX, next_token_loss
 from dsdebug.models.moe_balance import MoEBalance, MoEStep
 from dsdebug.models.optim import param_groups, warmup_clamped, warmup_length
 
+__all__ = ["CausalLMModule"]
+
 log = logging.getLogger(__name__)
 
 

@@ -14,6 +14,9 @@ import collections
 import re
 from typing import Any
 
+__all__ = ["DTYPES", "STRATEGIES", "bytes_per_param", "held_bytes", "layout_of", "paper_bytes", "storage_key",
+           "structure_paths"]
+
 # Layouts: ZeRO stage and offload. "ddp" is stage 0 (every rank holds everything).
 STRATEGIES = {
     "ddp": {"stage": 0},

@@ -43,6 +43,8 @@ from torch import nn
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["RouterCapture", "RouterRecord", "find_routers", "normalised_probs"]
+
 
 @dataclass
 class RouterRecord:

@@ -43,6 +43,8 @@ from dsdebug.errors import ConfigError
 from dsdebug.models.moe_aux import RouterCapture, find_routers
 from dsdebug.models.moe_loss import expert_load_fractions, load_balancing_loss
 
+__all__ = ["MoEBalance", "MoEStep", "PROJECT_AUX_COEF", "own_aux_loss_coef", "resolve_coef"]
+
 log = logging.getLogger(__name__)
 
 #: the project's coefficient for its own loss (DeepSeek-V3 paper's balance factors are 1e-4..1e-2)

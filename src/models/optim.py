@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Iterable
 
 from dsdebug.errors import ConfigError
 
+__all__ = ["param_groups", "resolve_fused", "scaled_lr", "warmup_clamped", "warmup_cosine", "warmup_length"]
+
 if TYPE_CHECKING:  # the LR arithmetic below runs in config validation, before torch is imported
     import torch
     from torch.optim.lr_scheduler import LambdaLR

@@ -16,6 +16,8 @@ from dsdebug.report.doc import Document
 from dsdebug.report.load import RunData, load_run, read_repro
 from dsdebug.report.render import all_findings, command, flatten
 
+__all__ = ["build", "compare", "diff_dicts", "first_loss_difference"]
+
 log = logging.getLogger(__name__)
 _MISSING = "(absent)"
 _ENV_SKIP = {"rank", "rng_state_file"}

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+__all__ = ["CSS", "Document"]
+
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;
 color:#1d2329;background:#fff;line-height:1.4}

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+__all__ = ["finish_run"]
+
 log = logging.getLogger(__name__)
 
 

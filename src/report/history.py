@@ -24,6 +24,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 # read_history lives in load.py so that reading a run (python -m dsdebug.report) never imports lightning/torch
 from dsdebug.report.load import HISTORY_FILE  # noqa: E402
 
+__all__ = ["HistoryLogger"]
+
 
 class HistoryLogger(Logger):
     def __init__(self, run_dir: str | Path) -> None:

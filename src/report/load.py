@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+__all__ = ["CRASH_FILE", "FINDINGS_FILE", "HISTORY_FILE", "METRICS_FILE", "RunData", "findings_files", "load_run",
+           "read_findings", "read_history", "read_overrides", "read_ranks", "read_repro", "read_top_ops"]
+
 CRASH_FILE = "crash.json"
 HISTORY_FILE = "history.jsonl"
 FINDINGS_FILE = "findings.jsonl"

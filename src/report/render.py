@@ -18,6 +18,10 @@ from dsdebug.report.doc import Document
 from dsdebug.findings.ranks import name_ranks
 from dsdebug.report.load import RunData, load_run, read_overrides, read_ranks, read_repro, read_top_ops
 
+__all__ = ["CHECK_CLASSES", "PRESET_CLASSES", "SECTIONS", "SEVERITY_ORDER", "TOP_OPS_ROWS", "all_findings", "build",
+           "command", "findings_source", "flatten", "in_plain_words", "last_value", "moe_line", "ranks_fields",
+           "write_report"]
+
 log = logging.getLogger(__name__)
 
 SEVERITY_ORDER = ("error", "warning", "info")

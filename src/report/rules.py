@@ -33,6 +33,10 @@ from dsdebug.findings.incidents import cause_of
 from dsdebug.report.load import RunData
 from dsdebug.report.lr_range import UsualLR, lr_text, suggestion, usual_lr
 
+__all__ = ["CHECK", "LR_FAR_ABOVE", "RULES", "checkpoint_restore_failed", "evaluate", "loss_diverging",
+           "loss_implausibly_low", "loss_not_falling", "loss_oscillating", "lr_too_high", "mixed_precision_unstable",
+           "nccl_timeout", "out_of_memory", "too_slow", "val_loss_rising", "warmup_steps"]
+
 CHECK = "advisor"
 
 

@@ -36,6 +36,8 @@ from lightning.pytorch import Callback
 from dsdebug.findings import get_channel
 from dsdebug.report.history import HistoryLogger
 
+__all__ = ["METRICS_FILE", "RUNNER", "RunRecord", "command_line", "record_run"]
+
 METRICS_FILE = "metrics.json"
 RUNNER = "lightning"  # metrics.json's ``runner`` for a plain Lightning run
 

@@ -19,6 +19,8 @@ from dsdebug.report.doc import Document
 from dsdebug.report.load import load_run, read_overrides
 from dsdebug.report.render import all_findings, last_value
 
+__all__ = ["build", "is_sweep_dir", "job_dirs", "job_row", "sweep_index"]
+
 _RUN_FILES = ("config_resolved.yaml", "metrics.json", "history.jsonl", "findings.jsonl", "crash.json", ".hydra")
 
 

@@ -1,1 +1,3 @@
 """Hydra task entry, preflight, launch, liveness and checkpoints (see docs/architecture.md)."""
+
+__all__ = []

@@ -28,6 +28,8 @@ import os
 import sys
 from typing import Any
 
+__all__ = ["ENV_KEYS", "MMAP_THRESHOLD", "PRELOADED", "TRIM_THRESHOLD", "describe", "tune_malloc"]
+
 log = logging.getLogger(__name__)
 
 # mallopt parameters (glibc malloc.h)

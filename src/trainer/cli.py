@@ -15,6 +15,8 @@ from typing import Any
 from dsdebug.errors import ConfigError, PreemptedAtStartup, fail, is_out_of_memory, missing_extra
 from dsdebug.errors import is_rank_zero as _is_rank_zero
 
+__all__ = ["find_config_error", "precheck_overrides", "run"]
+
 log = logging.getLogger(__name__)
 
 _HYDRA_FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}

@@ -25,6 +25,9 @@ from typing import Any
 from dsdebug.errors import ConfigError
 from dsdebug.findings.channel import Finding, get_channel
 
+__all__ = ["COMM_HOOKS", "DS_COMM_DTYPES", "InOrder", "ZERO_PLUS_PLUS", "build_ddp_hook", "check_ddp_options",
+           "check_ds_options", "ds_comm_setting", "report_comm_setting"]
+
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DS_COMM_DTYPES = ("fp32", "fp16", "bf16")
 ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")

@@ -44,6 +44,8 @@ from dsdebug.findings.secrets import redact
 from dsdebug.config.tokenizer_check import check_fits_model, settle_vocab_size
 from dsdebug.config.prepare import is_prepared
 
+__all__ = ["build", "train"]
+
 log = logging.getLogger(__name__)
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
+__all__ = ["ThrottledRichProgressBar"]
+
 
 class ThrottledRichProgressBar(RichProgressBar):
     def __init__(self, min_interval_s: float = 1.0, non_tty_interval_s: float = 30.0, **kwargs: Any) -> None:

@@ -38,6 +38,9 @@ from dsdebug.trainer.param_layout import EngineLayout, refuse_unheld, unused_par
 from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_ddp_options, check_ds_options, ds_comm_setting,
                                           report_comm_setting)
 
+__all__ = ["DebugDDPStrategy", "DebugDeepSpeedStrategy", "cache_cpu_device_count", "enable_activation_checkpointing",
+           "guard_reentrant_forward", "skip_shm_comm_op"]
+
 log = logging.getLogger(__name__)
 
 

@@ -177,3 +177,51 @@ def test_relative_and_dynamic_imports_are_held_to_the_layers(tmp_path):
     assert len(bad) == 2, bad
     assert any("src/findings/sinks.py" in b and "dsdebug.callbacks" in b for b in bad), bad
     assert any("src/findings/ranks.py" in b and "dsdebug.trainer.entry" in b for b in bad), bad
+
+
+def _declared_all(tree: ast.Module) -> list | None:
+    """The literal ``__all__`` of a module (None: not declared)."""
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            if isinstance(node.value, ast.Call):  # sorted(_MODULES): a lazy package's names, from its own table
+                return []
+            return ast.literal_eval(node.value)
+    return None
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                names |= {e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_module_declares_its_public_names():
+    """``__all__`` on every module of the package (a script's ``__main__`` aside), each name defined or re-exported
+    there: what a module offers is declared, not guessed from underscores (Composer's rule)."""
+    problems = []
+    for path in sorted((REPO / "src").rglob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        declared = _declared_all(tree)
+        if declared is None:
+            problems.append(f"{path.relative_to(REPO)}: no __all__")
+            continue
+        defined = _top_level_names(tree)
+        if "__getattr__" in defined:  # a lazy package: its __getattr__ imports what __all__ names on first use
+            continue
+        missing = [n for n in declared if n not in defined]
+        if missing:
+            problems.append(f"{path.relative_to(REPO)}: __all__ names {missing}, not defined there")
+    assert not problems, "\n".join(problems)

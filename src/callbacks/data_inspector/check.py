@@ -78,6 +78,8 @@ from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 from dsdebug.distributed import collectives
 
+__all__ = ["DataInspector"]
+
 log = logging.getLogger(__name__)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from dsdebug.callbacks.data_inspector.fingerprint import find_overlap
 
+__all__ = ["DatasetChecks", "judge_overlap"]
+
 log = logging.getLogger("dsdebug.callbacks.data_inspector")
 
 

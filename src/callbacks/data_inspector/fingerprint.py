@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+__all__ = ["as_int64", "dataset_samples", "find_overlap", "fingerprint", "input_ids_of", "is_token_data",
+           "label_pattern", "sample_hashes", "window_hashes"]
+
 _B = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64, so window hashes need no division
 _B_INV = pow(_B, -1, 2**64)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

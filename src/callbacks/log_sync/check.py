@@ -18,6 +18,8 @@ from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.distributed.timing import CommTracker, register_ddp_hook
 from dsdebug.distributed import collectives
 
+__all__ = ["LogSync"]
+
 log = logging.getLogger(__name__)
 
 

@@ -10,6 +10,8 @@ import statistics
 from collections import deque
 from typing import Any
 
+__all__ = ["SpikeWindow"]
+
 
 class SpikeWindow:
     """The detector: rolling median/MAD of healthy (step, loss, grad_norm) records. No collectives."""

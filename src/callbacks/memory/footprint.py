@@ -9,6 +9,8 @@ from typing import Any
 
 from dsdebug.models.model_states import paper_bytes
 
+__all__ = ["expected_state_bytes", "growth", "oom_advice", "rss_bytes", "zero2_grad_elements", "zero2_grad_groups"]
+
 GB, MB = 2**30, 2**20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _STATM: tuple[int, int] | None = None  # (pid, open fd of /proc/self/statm): re-read with pread, ~5x cheaper

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["checksums", "divergent"]
+
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 65521  # position weights 1..65521: a swap of two elements changes the weighted sum
 

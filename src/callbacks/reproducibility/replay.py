@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from dsdebug.distributed import collectives
 
+__all__ = ["first_difference", "ranks_differing", "rng_state", "seed_record", "set_rng_state"]
+
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
