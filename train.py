@@ -20,19 +20,8 @@ if importlib.util.find_spec("dsdebug") is None:  # not installed (make setup ins
     sys.modules["dsdebug"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["dsdebug"])
 
-# every rank hashes str alike: with PYTHONHASHSEED unset, set it and re-execute, before anything else
-# (src/distributed/hash_seed.py; main() does it for dsdebug-train)
-from dsdebug.distributed.hash_seed import fix_hash_seed  # noqa: E402
-
-if __name__ == "__main__":
-    fix_hash_seed(sys.argv[1:])
-
-# from here on a preemption signal (SIGUSR1/SIGTERM) is recorded, not fatal: a run stopped while it
-# starts ends as `preempted` (src/distributed/startup_signals.py); before the heavy imports below
-from dsdebug.distributed.startup_signals import record_from_now  # noqa: E402
-
-record_from_now()
-
+# dsdebug.train.main does the rest, first the PYTHONHASHSEED re-exec and the recording of a preemption signal
+# while the run starts, before any heavy import (its module imports only the standard library)
 from dsdebug.train import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main(entry: str | None = None) -> None:
     fix_hash_seed(sys.argv[1:])  # every rank hashes str alike: re-executes once when PYTHONHASHSEED is unset
     from dsdebug.distributed.startup_signals import record_from_now
 
-    record_from_now()  # a preemption signal while the run starts is recorded (train.py did it already)
+    record_from_now()  # a preemption signal while the run starts is recorded, not fatal
     try:
         import hydra
     except ModuleNotFoundError as e:  # a core install: the checks and the report, not the training command
