@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from overhead import CALLBACKS, PRESETS, TARGETS  # noqa: E402  (overhead.py imports this module lazily)
+from overhead_cells import CALLBACKS, PRESETS, TARGETS
 
 
 def pct(x: float) -> str:

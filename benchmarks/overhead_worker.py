@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from overhead import cadence_window, cadences, cell_overrides, variant_overrides
+from overhead_cells import cadence_window, cadences, cell_overrides, variant_overrides
 
 
 def _global_state() -> dict[str, Any]:
