@@ -12,8 +12,8 @@ Grouping (warnings and errors only; info findings are not incidents):
 
 - a **cause** per finding (``cause_of``): ``nonfinite`` (NaN/Inf in loss or gradients, whichever
   check saw it), ``hang`` (a hang, a collective timeout or a dead rank, from any rank),
-  ``ranks_differ`` (ranks composed different configs or seeds), ``updates_lost`` (layers whose step is orders
-  below what their optimizer should give: layer_health's ``layer_update_lost``), else the finding's own
+  ``ranks_differ`` (ranks composed different configs or seeds), ``updates_lost/<eps|clip|rounding|unknown>``
+  (layers whose step is orders below what their optimizer should give: layer_health's ``layer_update_lost``), else the finding's own
   ``check/code`` (repeats of one finding collapse into one incident);
 - the **root** of an incident: the finding that is not derived from others (the report's advisor
   rules read the same curves: never the root while a check's own finding exists), then the
@@ -24,9 +24,10 @@ Grouping (warnings and errors only; info findings are not incidents):
   the steps and the ranks;
 - a **consequence** (``_CONSEQUENCES``: parameters that did not learn, a layer whose updates are negligible, a clip
   that dominates the gradient norm) joins the incident of its cause when a finding of that cause falls in the steps
-  it judged: every update was skipped for non-finite gradients, or lost against the optimizer's step
-  (``updates_lost``: an eps of 1, a clip orders below the norm), so nothing learned, and the advice to read is the
-  cause's;
+  it judged (and, where both list them, about a parameter in a layer the cause names): every update was skipped
+  for non-finite gradients, or lost against the optimizer's step (an eps of 1, a clip orders below the norm: a
+  clip that dominates joins a lost update of cause ``clip`` only), so nothing learned, and the advice to read is
+  the cause's;
 - the root prefers the finding that names the module or parameter (``details.module/layer/param``) among those
   of the earliest step: one planted NaN in a gradient hook is headed by grad_monitor's finding naming the
   parameter, not by a rerun that can only say "it arose in backward";
@@ -58,9 +59,8 @@ _CAUSES: dict[tuple[str, str], str] = {
     # ranks that run different configs/seeds: consistency sees it at setup, replica_parity at its first check
     ("consistency", "config_mismatch"): "ranks_differ", ("consistency", "seed_mismatch"): "ranks_differ",
     ("replica_parity", "config_hash_mismatch"): "ranks_differ",
-    # every layer's step lost against what its optimizer should give (eps, clip, 16-bit rounding)
-    ("layer_health", "layer_update_lost"): "updates_lost",
 }
+_LOST = "updates_lost"  # layer_health's layer_update_lost: updates_lost/<its cause> (eps, clip, rounding, unknown)
 # who localises a cause best (lower = better root), per cause
 _ROOT_ORDER: dict[str, tuple[str, ...]] = {
     "nonfinite": ("nan_triage", "grad_monitor", "mixed_precision", "loss_spike"),
@@ -68,7 +68,8 @@ _ROOT_ORDER: dict[str, tuple[str, ...]] = {
     "ranks_differ": ("consistency", "replica_parity"),
 }
 _TITLES = {"nonfinite": "non-finite values", "hang": "hang", "ranks_differ": "ranks run different configs",
-           "updates_lost": "updates far below the optimizer's step"}
+           **{f"{_LOST}/{c}": f"updates far below the optimizer's step ({c})" for c in ("eps", "clip", "rounding",
+                                                                                       "unknown")}}
 _ROOT_TITLES = {"rank_died": "a rank died", "nccl_timeout": "collective timeout",  # by the root's code
                 "lr_too_high": "learning rate far above its usual range"}
 DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: evidence, not a root
@@ -77,9 +78,10 @@ DERIVED_CHECKS = ("advisor",)  # report rules over curves and other findings: ev
 # non-finite gradients, or whose every step was lost (an eps of 1, a clip orders below the norm); a clip that
 # dominates the gradient norm while the updates are lost is the same incident
 _CONSEQUENCES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("freeze_verify", "not_updated"): ("nonfinite", "updates_lost"),
+    ("freeze_verify", "not_updated"): ("nonfinite", f"{_LOST}/eps", f"{_LOST}/clip", f"{_LOST}/rounding",
+                                       f"{_LOST}/unknown"),
     ("layer_health", "layer_update_negligible"): ("nonfinite",),
-    ("grad_monitor", "clip_dominates"): ("updates_lost",),
+    ("grad_monitor", "clip_dominates"): (f"{_LOST}/clip",),
 }
 
 
@@ -101,6 +103,8 @@ def cause_of(record: dict[str, Any]) -> str:
         return "nonfinite"
     if check == "advisor" and code == "loss_diverging" and "non-finite" in message:
         return "nonfinite"
+    if (check, code) == ("layer_health", "layer_update_lost"):
+        return f"{_LOST}/{details.get('cause') or 'unknown'}"
     return f"{check}/{code}"
 
 
@@ -195,6 +199,16 @@ def _window(record: dict[str, Any]) -> tuple[int, int] | None:
     return (step - steps if isinstance(steps, int) else 0, step)
 
 
+def _related(consequence: dict[str, Any], cause: dict[str, Any]) -> bool:
+    """Whether a consequence is about what its cause's finding names: some parameter it lists lies in a layer the
+    cause lists (``details.params`` / ``details.layers``); true when either does not list them."""
+    params = (consequence.get("details") or {}).get("params") if isinstance(consequence.get("details"), dict) else None
+    layers = (cause.get("details") or {}).get("layers") if isinstance(cause.get("details"), dict) else None
+    if not isinstance(params, list) or not isinstance(layers, list) or not params or not layers:
+        return True
+    return any(str(p) == str(la) or str(p).startswith(f"{la}.") for p in params for la in layers)
+
+
 def _root_key(cause: str, record: dict[str, Any]) -> tuple:
     order = _ROOT_ORDER.get(cause, ())
     check = record.get("check")
@@ -230,10 +244,11 @@ def group(records: Iterable[dict[str, Any]]) -> list[Incident]:
         own = f"{key[0]}/{key[1]}"
         for cause in causes:
             target = absorbed.get(cause, cause)
-            steps = [r.get("step") for r in by_cause.get(target, []) if cause_of(r) == cause]
+            roots = [r for r in by_cause.get(target, []) if cause_of(r) == cause]
             for record in list(by_cause.get(own, [])):
                 window = _window(record)
-                if window and any(isinstance(s, int) and window[0] <= s <= window[1] for s in steps):
+                if window and any(isinstance(r.get("step"), int) and window[0] <= r["step"] <= window[1]
+                                  and _related(record, r) for r in roots):
                     by_cause[own].remove(record)
                     by_cause[target].append(record)
         if not by_cause.get(own, True):

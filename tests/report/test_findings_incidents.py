@@ -172,7 +172,7 @@ def lost_updates(cause: str = "eps") -> list[dict]:
     names the layers and the cause at step 2, freeze_verify finds three norm gains unchanged at step 3, and with a
     clip grad_monitor's clip_dominates follows at step 4."""
     records = [rec("layer_health", "layer_update_lost", "warning", step=2, layer="model.norm", cause=cause,
-                   layers=["model.norm", "model.layers.0"], message="layer model.norm moves 0.00032 x the step ...")]
+                   layers=["model.norm", "model.layers.1"], message="layer model.norm moves 0.00032 x the step ...")]
     records.append(rec("freeze_verify", "not_updated", step=3, steps=3, params=["model.layers.1.q_a_layernorm.weight"],
                        message="3 parameter(s) did not learn in 3 steps"))
     if cause == "clip":
@@ -185,13 +185,29 @@ def test_updates_lost_against_the_optimizer_head_their_consequences():
         incidents = group(lost_updates(cause))
         assert len(incidents) == 1, [(i.title(), i.source()) for i in incidents]
         incident = incidents[0]
-        assert incident.source() == "layer_health/layer_update_lost" and incident.cause == "updates_lost"
-        assert incident.title() == "updates far below the optimizer's step from step 2 in model.norm"
+        assert incident.source() == "layer_health/layer_update_lost" and incident.cause == f"updates_lost/{cause}"
+        assert incident.title() == f"updates far below the optimizer's step ({cause}) from step 2 in model.norm"
         assert incident.severity == "error"  # freeze_verify's error stays the incident's severity
         assert {(e.check, e.code) for e in incident.evidence} == {("freeze_verify", "not_updated")} | (
             {("grad_monitor", "clip_dominates")} if cause == "clip" else set())
 
 
-def test_a_clip_that_dominates_with_no_update_lost_is_its_own_incident():
+def test_a_clip_that_dominates_with_no_update_lost_to_the_clip_is_its_own_incident():
     incidents = group([rec("grad_monitor", "clip_dominates", "warning", step=4, message="30x the clip threshold")])
     assert [i.source() for i in incidents] == ["grad_monitor/clip_dominates"]
+    records = [r for r in lost_updates("clip") if r["check"] != "grad_monitor"]
+    records[0]["details"]["cause"] = "rounding"  # a lost update of another cause does not take the clip in
+    records.append(rec("grad_monitor", "clip_dominates", "warning", step=40, message="30x the clip threshold"))
+    assert sorted(i.source() for i in group(records)) == ["grad_monitor/clip_dominates",
+                                                          "layer_health/layer_update_lost"]
+
+
+def test_lost_updates_of_two_causes_are_two_incidents_and_unrelated_layers_stay_apart():
+    records = lost_updates("eps")
+    records.append(rec("layer_health", "layer_update_lost", "warning", step=5, layer="lm_head", cause="rounding",
+                       layers=["lm_head"]))
+    records.append(rec("freeze_verify", "not_updated", step=6, steps=3, params=["model.embed_tokens.weight"]))
+    incidents = group(records)
+    by_cause = {i.cause: i for i in incidents}
+    assert set(by_cause) == {"updates_lost/eps", "updates_lost/rounding", "freeze_verify/not_updated"}
+    assert by_cause["freeze_verify/not_updated"].root["details"]["params"] == ["model.embed_tokens.weight"]

@@ -160,7 +160,9 @@ class LayerHealth(DebugCallback):
                         saved, len(self._layers))
             self._counts = {}  # set_layers reset the rest
             return
+        defaults = dict(self._closest)
         super().load_state_dict(self._restored)
+        self._closest = {**defaults, **self._closest}  # a checkpoint of an older version lacks the newer keys
 
     def set_layers(self, param_layers: list[str], param_numel: list[float]) -> None:
         """Per-parameter layer names and sizes -> the layer table and fresh detection state."""
@@ -207,7 +209,7 @@ class LayerHealth(DebugCallback):
         if self._early() or update:  # non-zero gradient elements per layer (unseen embedding rows, idle experts: 0)
             present = [g for g in grads if g is not None]
             device = present[0].device if present else torch.device("cpu")
-            nnz = self.per_layer(torch.stack([g.count_nonzero() if g is not None else torch.zeros((), device=device,
+            nnz = self.per_layer(torch.stack([_nonzero(g) if g is not None else torch.zeros((), device=device,
                                                                                                   dtype=torch.long)
                                               for g in grads]).double())
         factor = self._scaler.grad_factor(optimizer) if self._scaler is not None else 1.0  # fp16: unscale
@@ -258,18 +260,21 @@ class LayerHealth(DebugCallback):
         rows = collectives.reduce(trainer, torch.stack([r for r, *_ in queue]), "sum").cpu().tolist()
         for row, (_, step, update, counted, lr_sq) in zip(rows, queue):
             self.check(trainer, step, row[:n], row[n:2 * n] if update else None, row[2 * n:3 * n] if update else None,
-                       row[3 * n:] if counted else None, lr_sq)
+                       row[3 * n:] if counted else None, lr_sq, relative=self.due(step))
 
     def check(self, trainer: Any, step: int, g_sq: Values, dw_sq: Values | None = None,
               w_sq: Values | None = None, nnz: Values | None = None,
-              lr_sq: list[float] | None = None) -> list[tuple[str, str]]:
+              lr_sq: list[float] | None = None, relative: bool = True) -> list[tuple[str, str]]:
         """Judge one step from per-layer (all-reduced) sums of squares (and, early, non-zero counts; with the update,
-        each layer's ``sum(numel x lr^2)`` of its groups); returns [(code, layer)] reported."""
+        each layer's ``sum(numel x lr^2)`` of its groups); returns [(code, layer)] reported. ``relative``: the update
+        ratios are compared across layers too (steps on the every_n_steps cadence; the first steps' extra
+        measurements are judged against the optimizer only)."""
         found = self.judge_grads(g_sq, nnz)
         ratios, self._lost_ratios = None, [None] * len(self._layers)
         if dw_sq is not None:
             ratios = [math.sqrt(d / w) if w > 0 else None for d, w in zip(_values(dw_sq), _values(w_sq))]
-            found += self.judge_updates(ratios)
+            if relative:
+                found += self.judge_updates(ratios)
             if lr_sq is not None and self.lost_ratio > 0:
                 found += self.judge_lost(_values(g_sq), _values(dw_sq), _values(w_sq), lr_sq,
                                          _values(nnz) if nnz is not None else None)
@@ -393,7 +398,7 @@ class LayerHealth(DebugCallback):
         a skip policy): not judged, unless the weights are 16-bit with no fp32 master (the step may have rounded
         away everywhere)."""
         exp, n = self._expect, len(self._layers)
-        if not any(v > 0 for v in dw_sq) and all(b is None for b in exp.bits):
+        if not any(v > 0 for v in dw_sq) and not (exp.direct and any(b is not None for b in exp.bits)):
             return []
         finite = [v for v in g_sq if math.isfinite(v)]
         gnorm = math.sqrt(sum(finite)) if len(finite) == len(g_sq) else math.nan
@@ -409,14 +414,18 @@ class LayerHealth(DebugCallback):
             should = lr if kind == "adaptive" else lr * grms * math.sqrt(numel / moving)  # per moving element
             ratio = math.sqrt(dw_sq[i] / moving) / should
             self._lost_ratios[i] = ratio
+            bits, spacing = exp.bits[i], wrms * 2.0 ** -exp.bits[i] if exp.bits[i] is not None else 0.0
+            if bits is not None and not exp.direct and should < spacing:
+                self._lost[i] = 0  # the 16-bit copy of an fp32 master moves by whole spacings: a smaller step is
+                continue  # not seen step by step (norm gains at 1.0 under bf16 wait several steps)
             self._closest["min_update_vs_optimizer"] = min(self._closest["min_update_vs_optimizer"], ratio)
-            bits = exp.bits[i]
-            floor = max(self.lost_ratio, 0.5) if bits is not None and should < wrms * 2.0 ** -(bits + 1) \
-                else self.lost_ratio  # 16-bit weights, a step below half their spacing: most of it rounds away
+            floor = max(self.lost_ratio, 0.5) if bits is not None and should < spacing / 2 \
+                else self.lost_ratio  # 16-bit weights the optimizer writes, a step below half their spacing
             self._lost[i] = self._lost[i] + 1 if ratio < floor else 0
             if self._lost[i] == self.patience:
-                cause = lost_cause(kind, should, grms, exp.eps[i], coef, bits, wrms)
-                named.setdefault(cause, []).append((i, {"ratio": ratio, "lr": lr, "grad_rms": grms, "weight_rms": wrms,
+                grms_moving = math.sqrt(g_sq[i] / moving)  # per element with a gradient: what eps is compared to
+                cause = lost_cause(kind, should, grms_moving, exp.eps[i], coef, bits if exp.direct else None, wrms)
+                named.setdefault(cause, []).append((i, {"ratio": ratio, "lr": lr, "grad_rms": grms_moving, "weight_rms": wrms,
                                                         "update_rms": ratio * should, "eps": exp.eps[i],
                                                         "moving_fraction": moving / numel, "floor": floor}))
         found = [self._lost_finding(cause, layers, gnorm, coef) for cause, layers in named.items()
@@ -462,6 +471,11 @@ class LayerHealth(DebugCallback):
                              "update_lost": dict(self._lost_causes),
                              "counts": dict(self._counts), "source": self._source,
                              **{k: (v if math.isfinite(v) else None) for k, v in self._closest.items()}}, rank=None)
+
+
+def _nonzero(g: torch.Tensor) -> torch.Tensor:
+    """Non-zero elements of a gradient, on its device (a sparse embedding gradient: of its coalesced values)."""
+    return g.coalesce().values().count_nonzero() if g.is_sparse else g.count_nonzero()
 
 
 def _column_medians(rows: deque, n: int) -> list[float | None]:

@@ -58,13 +58,15 @@ def lost_cause(kind: str, should: float, grad_rms: float, eps: float, clip_coef:
 
 class ExpectedStep:
     """Per layer: the optimizer's kind (adaptive | sgd | None: not judged), the largest ``eps`` of its groups, the
-    mantissa bits of 16-bit weights the optimizer writes directly, and at each measured step the lr-weighted size
-    ``sum(numel x lr^2)`` an adaptive step should have (SGD: x the gradient's mean square)."""
+    mantissa bits of its weights when they are 16-bit (``bits``; ``direct``: the optimizer writes them itself, with no
+    fp32 master copy), and at each measured step the lr-weighted size ``sum(numel x lr^2)`` an adaptive step should
+    have (SGD: x the gradient's mean square)."""
 
     def __init__(self) -> None:
         self.kind: list[str | None] = []
         self.eps: list[float] = []
         self.bits: list[int | None] = []
+        self.direct = False
         self.clip: float | None = None
         self.optimizer_name = "?"
         self._share: list[tuple[dict, list[float]]] = []  # per group: (group, numel per layer)
@@ -78,7 +80,7 @@ class ExpectedStep:
         optimizer = base_optimizer(trainer.optimizers[0])
         self.optimizer_name = type(optimizer).__name__
         self.clip = run_clip(trainer) if hasattr(trainer, "strategy") else None
-        direct = isinstance(trainer.optimizers[0], torch.optim.Optimizer)  # no DeepSpeed wrapper: no fp32 master
+        self.direct = isinstance(trainer.optimizers[0], torch.optim.Optimizer)  # no DeepSpeed wrapper: no fp32 master
         shares: dict[int, tuple[dict, list[float]]] = {}
         kinds: list[set] = [set() for _ in range(n_layers)]
         for p, layer in zip(params, layer_idx):
@@ -89,7 +91,7 @@ class ExpectedStep:
             shares.setdefault(id(g), (g, [0.0] * n_layers))[1][layer] += float(getattr(p, "ds_numel", p.numel()))
             kinds[layer].add(_kind(optimizer, g))
             self.eps[layer] = max(self.eps[layer], _host(g.get("eps", 0.0)) or 0.0)
-            if direct and p.dtype in _LOW_PRECISION:
+            if p.dtype in _LOW_PRECISION:  # the weights measured (DeepSpeed: the lp copy of an fp32 master)
                 self.bits[layer] = _MANTISSA[p.dtype]
         self.kind = [k.pop() if len(k) == 1 else None for k in kinds]  # mixed or unknown: not judged
         self._share = list(shares.values())
@@ -109,17 +111,23 @@ class ExpectedStep:
 
 
 def _kind(optimizer: Any, group: dict) -> str | None:
-    """adaptive | sgd | None (not judged: Muon's orthogonalised step is ~lr / sqrt(width) per element, Adafactor's
-    step is relative to the weight's RMS, an unknown optimizer)."""
+    """adaptive | sgd | None (not judged). Adaptive: the optimizers whose step is ~lr per element from the first step
+    on (``_ADAPTIVE``); not RAdam (its first steps are momentum SGD), Adagrad / Adadelta (their step shrinks with
+    the accumulated squares), LAMB (a trust ratio x the weight's norm), Prodigy / D-Adaptation (lr x a learned d),
+    Muon (orthogonalised: ~lr / sqrt(width)), Adafactor (relative to the weight's RMS), nor an unknown optimizer."""
     name = type(optimizer).__name__
-    if "Muon" in name or "Adafactor" in name or group.get("use_muon"):
-        return None
-    if name == "SGD" or ("momentum" in group and "betas" not in group and "eps" not in group):
+    if name in _SGD and "betas" not in group:
         return "sgd"
-    if "betas" in group or "eps" in group:
+    if name in _ADAPTIVE and not group.get("use_muon"):
         return "adaptive"
     return None
 
+
+# torch, DeepSpeed (FusedAdam, DeepSpeedCPUAdam, Lion), bitsandbytes (8-bit and paged variants)
+_ADAPTIVE = frozenset({"Adam", "AdamW", "NAdam", "Adamax", "RMSprop", "FusedAdam", "DeepSpeedCPUAdam", "Lion",
+                       "FusedLion", "DeepSpeedCPULion", "Adam8bit", "AdamW8bit", "PagedAdam", "PagedAdamW",
+                       "PagedAdam8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion", "PagedLion8bit"})
+_SGD = frozenset({"SGD", "SGD8bit"})
 
 _WHY = {  # cause -> (the message's reason, with {facts}; advice)
     "eps": (": its gradient RMS {grad_rms:.3g} is below the optimizer's eps={eps:g}, so each step is lr x g / eps "
