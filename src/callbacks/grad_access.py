@@ -7,13 +7,14 @@ the prior of loss_spike and outcome_monitor). Re-exported from grad_monitor, whe
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 from typing import Any
 
 import torch
 
-__all__ = ["base_optimizer", "decay_coupled", "display_name", "grad_source", "layer_of", "local_grad", "local_param",
-           "on_device", "optimizer_param_groups", "optimizer_param_lrs", "run_clip", "step_loss", "sumsq_per_tensor",
+__all__ = ["base_optimizer", "decay_coupled", "display_name", "grad_source", "host_float", "layer_of", "local_grad",
+           "local_param", "on_device", "optimizer_param_groups", "optimizer_param_lrs", "run_clip", "step_loss", "sumsq_per_tensor",
            "unpadded", "untrained_vocab"]
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.x" -> "model.layers.3"
@@ -147,6 +148,15 @@ def optimizer_param_groups(trainer: Any) -> dict[int, dict] | None:
     if isinstance(opt, torch.optim.Optimizer) and all(isinstance(p, torch.nn.Parameter) or torch.is_tensor(p)
                                                       for g in groups for p in g["params"]):
         return {id(p): g for g in groups for p in g["params"]}
+    return None
+
+
+def host_float(value: Any) -> float | None:
+    """An optimizer group's lr / weight_decay / eps as a float without a device read (a CUDA tensor lr: None)."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        return float(value)
     return None
 
 

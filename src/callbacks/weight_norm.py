@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from typing import Any
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, base_optimizer, decay_coupled, display_name,
-                                            grad_source, local_param, optimizer_param_groups, sumsq_per_tensor,
-                                            unpadded)
+                                            grad_source, host_float, local_param, optimizer_param_groups,
+                                            sumsq_per_tensor, unpadded)
 from dsdebug.config.args import integer, number
 from dsdebug.distributed import collectives
 
@@ -24,15 +23,6 @@ __all__ = ["WeightNorm", "decay_cause"]
 log = logging.getLogger(__name__)
 USUAL_DECAY = 0.2  # weight_decay above this is outside the usual 0.01-0.1 (AdamW)
 _CAUSE_ORDER = ("coupled_l2", "decay", "outside")  # the causes a report names (decay_on_norm counts as decay); ties: the first
-
-
-def _host(value: Any) -> float | None:
-    """A group's lr / weight_decay as a float without a device read (a CUDA tensor lr: None)."""
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
-        return float(value)
-    return None
 
 
 def decay_cause(coupled: bool, lr: float, weight_decay: float, decay_floor: float, ratio: float,
@@ -53,12 +43,12 @@ def decay_cause(coupled: bool, lr: float, weight_decay: float, decay_floor: floa
 def _step_decay(momentum_sgd: bool, group: dict) -> float:
     """log of the factor the group's decay multiplies a weight by in one step (decoupled ``1 - lr * wd``; SGD with
     momentum: the L2 term accumulates in the momentum, ``lr * wd / (1 - momentum)`` in the steady state)."""
-    lr, wd = _host(group.get("lr", 0.0)), _host(group.get("weight_decay", 0.0) or 0.0)
+    lr, wd = host_float(group.get("lr", 0.0)), host_float(group.get("weight_decay", 0.0) or 0.0)
     if lr is None or wd is None:
         return 0.0
     shrink = lr * wd
     if momentum_sgd:
-        shrink /= max(1e-3, 1.0 - (_host(group.get("momentum", 0.0)) or 0.0))
+        shrink /= max(1e-3, 1.0 - (host_float(group.get("momentum", 0.0)) or 0.0))
     return math.log(max(1e-12, 1.0 - shrink)) if shrink < 1 else -27.6
 
 
@@ -176,7 +166,7 @@ class WeightNorm(DebugCallback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._coupled = [decay_coupled(optimizer, g) for g in groups]
         sgd = type(base_optimizer(optimizer)).__name__ == "SGD"
-        self._momentum_sgd = [sgd and not g.get("nesterov") and (_host(g.get("momentum", 0.0)) or 0.0) > 0
+        self._momentum_sgd = [sgd and not g.get("nesterov") and (host_float(g.get("momentum", 0.0)) or 0.0) > 0
                               for g in groups]
         self._optimizer_name = type(base_optimizer(optimizer)).__name__ if optimizer is not None else "?"
         if len(self._decay_log) != len(groups):
@@ -247,7 +237,7 @@ class WeightNorm(DebugCallback):
         if g < 0 or self._groups is None:
             return "outside", {}
         group = self._groups[g]
-        lr, wd = _host(group.get("lr", 0.0)) or 0.0, _host(group.get("weight_decay", 0.0) or 0.0) or 0.0
+        lr, wd = host_float(group.get("lr", 0.0)) or 0.0, host_float(group.get("weight_decay", 0.0) or 0.0) or 0.0
         floor = math.exp(decay_log[g]) if g < len(decay_log) else 1.0
         cause = decay_cause(self._coupled[g], lr, wd, floor, ratio, self._one_dim[i])
         return cause, {"group": g, "lr": lr, "weight_decay": wd, "coupled": self._coupled[g], "decay_floor": floor}

@@ -155,26 +155,8 @@ def test_queued_steps_are_judged_in_order_at_their_own_steps_as_at_once():
     """read_every_n_steps=3: the per-layer sums wait on the device and are read 3 steps at a time; every step is
     judged, in order, with its own step, to the same numbers as judging each step at once."""
     def run(read_every: int) -> tuple[list, list, list]:
-        configure_channel(None)
-        torch.manual_seed(0)
-        module = torch.nn.Module()
-        module.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        logger = _Logger()
-        trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger],
-                                  max_steps=6)
         cb = LayerHealth(every_n_steps=2, read_every_n_steps=read_every, first_update_steps=0)
-        cb.on_fit_start(trainer, module)
-        seen = []
-        for step in range(6):
-            trainer.global_step = step
-            module.net(torch.randn(4, 8)).pow(2).mean().backward()
-            cb.on_before_optimizer_step(trainer, module, opt)
-            opt.step()
-            opt.zero_grad()
-            trainer.global_step += 1
-            cb.on_train_batch_end(trainer, module, None, None, step)
-            seen.append(len(cb._rel_hist))
+        logger, seen = _drive(cb, 6)
         return seen, [r for r, _ in logger.rows], list(cb._rel_hist)
 
     at_once, queued = run(1), run(3)
@@ -274,6 +256,14 @@ def test_residual_scaled_from_init_is_named_within_5_steps(case, tmp_path, share
 def test_the_first_steps_update_is_measured_each_step_and_judged_at_the_window_end():
     """first_update_steps=3: the update is measured at steps 0, 1, 2 (then at the cadence) and the queue is read at
     step 2 (a config that loses every update is named in the first steps, not at the first read_every_n_steps)."""
+    logger, read = _drive(LayerHealth(every_n_steps=5, read_every_n_steps=10, first_update_steps=3), 12)
+    assert [s for s, _ in logger.rows] == [0, 1, 2, 5, 10]
+    assert read[:3] == [0, 0, 3] and read[-1] == 12
+
+
+def _drive(cb: LayerHealth, steps: int) -> tuple[_Logger, list[int]]:
+    """``steps`` SGD steps of a 2-layer net through the check's hooks (a trainer double, 1 rank); the logger and,
+    after each step, how many gradient checks were judged."""
     configure_channel(None)
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -281,11 +271,10 @@ def test_the_first_steps_update_is_measured_each_step_and_judged_at_the_window_e
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     logger = _Logger()
     trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0, strategy=object(), loggers=[logger],
-                              max_steps=12)
-    cb = LayerHealth(every_n_steps=5, read_every_n_steps=10, first_update_steps=3)
+                              max_steps=steps)
     cb.on_fit_start(trainer, module)
-    read = []
-    for step in range(12):
+    judged = []
+    for step in range(steps):
         trainer.global_step = step
         module.net(torch.randn(4, 8)).pow(2).mean().backward()
         cb.on_before_optimizer_step(trainer, module, opt)
@@ -293,6 +282,5 @@ def test_the_first_steps_update_is_measured_each_step_and_judged_at_the_window_e
         opt.zero_grad()
         trainer.global_step += 1
         cb.on_train_batch_end(trainer, module, None, None, step)
-        read.append(len(cb._rel_hist))
-    assert [s for s, _ in logger.rows] == [0, 1, 2, 5, 10]
-    assert read[:3] == [0, 0, 3] and read[-1] == 12
+        judged.append(len(cb._rel_hist))
+    return logger, judged

@@ -25,20 +25,12 @@ from typing import Any
 
 import torch
 
-from dsdebug.callbacks.grad_access import base_optimizer, optimizer_param_groups, run_clip
+from dsdebug.callbacks.grad_access import base_optimizer, host_float, optimizer_param_groups, run_clip
 
 __all__ = ["ExpectedStep", "explain", "lost_cause"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MANTISSA = {torch.bfloat16: 8, torch.float16: 11}  # significant bits: spacing ~ |w| x 2^-bits
-
-
-def _host(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
-        return float(value)
-    return None
 
 
 def lost_cause(kind: str, should: float, grad_rms: float, eps: float, clip_coef: float, bits: int | None,
@@ -90,7 +82,7 @@ class ExpectedStep:
                 continue
             shares.setdefault(id(g), (g, [0.0] * n_layers))[1][layer] += float(getattr(p, "ds_numel", p.numel()))
             kinds[layer].add(_kind(optimizer, g))
-            self.eps[layer] = max(self.eps[layer], _host(g.get("eps", 0.0)) or 0.0)
+            self.eps[layer] = max(self.eps[layer], host_float(g.get("eps", 0.0)) or 0.0)
             if p.dtype in _LOW_PRECISION:  # the weights measured (DeepSpeed: the lp copy of an fp32 master)
                 self.bits[layer] = _MANTISSA[p.dtype]
         self.kind = [k.pop() if len(k) == 1 else None for k in kinds]  # mixed or unknown: not judged
@@ -102,7 +94,7 @@ class ExpectedStep:
             return None
         out = [0.0] * len(self.kind)
         for group, numel in self._share:
-            lr = _host(group.get("lr", 0.0))
+            lr = host_float(group.get("lr", 0.0))
             if lr is None:  # a device tensor lr: not read (a sync)
                 return None
             for i, n in enumerate(numel):
