@@ -63,7 +63,8 @@ class LayerHealth(DebugCallback):
     steps (default 10) the queue is all-reduced once (``[N x 4 layers]``, on every rank, in
     ``on_train_batch_end``) and read once, and each step is judged in order at its own step; every decision
     uses the reduced values, rank 0 writes. Under bf16 the update ratio is that of the bf16 weights the forward uses.
-    The weight snapshot (this rank's weights, taken only at ``every_n_steps``) is freed after use.
+    The weight snapshot (this rank's weights, taken only at ``every_n_steps`` and at each of the first
+    ``first_update_steps`` steps) is freed after use.
     fp16 (``dsdebug.callbacks.loss_scale``): gradient norms are the unscaled ones (DeepSpeed's gradients still
     carry the loss scale in the hook; divided on the device), so a scale change moves no layer's history; an
     overflowed step's non-finite norms are left out (grad_monitor's and the loss scaler's business).
@@ -72,7 +73,7 @@ class LayerHealth(DebugCallback):
 
         python train.py +callbacks=layer_health callbacks.layer_health.every_n_steps=5 strategy=zero3 trainer=ddp_sim
 
-    | metric key (every ``every_n_steps``) | meaning |
+    | metric key (every ``every_n_steps``, and the first ``first_update_steps`` steps) | meaning |
     |---|---|
     | ``layers/update_ratio/<layer>`` | ``|dW| / |W|`` of the layer's trainable weights over one optimizer step |
     | ``layers/grad_rel/<layer>`` | the layer's gradient RMS / the median layer's gradient RMS |
@@ -88,7 +89,7 @@ class LayerHealth(DebugCallback):
 
     Resume (``state_attrs``, from all-reduced sums, alike on every rank): per layer the low-gradient and
     low-update streaks, the checks seen (warm-up) and the log-norm EMA, the layers flagged as exploding,
-    the closest calls and the finding counts. The summary's ratio history is not kept.
+    the lost-update streaks and the causes already reported, the closest calls and the finding counts. The summary's ratio history is not kept.
     """
     name = "layer_health"
     state_attrs = ("_low_grad", "_low_update", "_seen", "_log_ema", "_exploding", "_closest", "_counts",
@@ -101,7 +102,8 @@ class LayerHealth(DebugCallback):
                  first_update_steps: int = 5) -> None:
         super().__init__()
         self.read_every = read_every_n_steps
-        self._queue: list[tuple[torch.Tensor, int, bool, bool]] = []  # (step's [4 x layers], step, update?, nnz?)
+        # (step's [4 x layers], step, update?, nnz?, the layers' sum(numel x lr^2) when the update was measured)
+        self._queue: list[tuple[torch.Tensor, int, bool, bool, list[float] | None]] = []
         self.check_args(
             every_n_steps=(every_n_steps, integer(0, note="0 = no update ratios/metrics")),
             grad_every_n_steps=(grad_every_n_steps, integer(1)),
