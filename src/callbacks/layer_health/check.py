@@ -89,7 +89,8 @@ class LayerHealth(DebugCallback):
 
     Resume (``state_attrs``, from all-reduced sums, alike on every rank): per layer the low-gradient and
     low-update streaks, the checks seen (warm-up) and the log-norm EMA, the layers flagged as exploding,
-    the lost-update streaks and the causes already reported, the closest calls and the finding counts. The summary's ratio history is not kept.
+    the lost-update streaks and the causes already reported, the closest calls and the finding counts. The summary's
+    ratio history is not kept.
     """
     name = "layer_health"
     state_attrs = ("_low_grad", "_low_update", "_seen", "_log_ema", "_exploding", "_closest", "_counts",
@@ -427,7 +428,8 @@ class LayerHealth(DebugCallback):
             if self._lost[i] == self.patience:
                 grms_moving = math.sqrt(g_sq[i] / moving)  # per element with a gradient: what eps is compared to
                 cause = lost_cause(kind, should, grms_moving, exp.eps[i], coef, bits if exp.direct else None, wrms)
-                named.setdefault(cause, []).append((i, {"ratio": ratio, "lr": lr, "grad_rms": grms_moving, "weight_rms": wrms,
+                named.setdefault(cause, []).append((i, {"ratio": ratio, "lr": lr, "grad_rms": grms_moving,
+                                                        "weight_rms": wrms,
                                                         "update_rms": ratio * should, "eps": exp.eps[i],
                                                         "moving_fraction": moving / numel, "floor": floor}))
         found = [self._lost_finding(cause, layers, gnorm, coef) for cause, layers in named.items()
