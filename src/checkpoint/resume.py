@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from dsdebug.checkpoint.integrity import CheckpointError, has_manifest, read_manifest
 from dsdebug.findings.secrets import redact
@@ -150,24 +150,26 @@ def in_place_step(ckpt: str | None, output_dir: Path) -> int | None:
     return int(read_manifest(Path(ckpt)).get("global_step") or 0)
 
 
-def prepare_loggers(cfg: DictConfig, ckpt: str | None, output_dir: Path) -> int | None:
+def prepare_loggers(cfg: DictConfig, ckpt: str | None, output_dir: Path) -> tuple[int | None, dict[str, dict]]:
     """Every rank, before the loggers are built: in place, the same W&B run and TensorBoard dir.
-    Returns the step the run continues from in place (None: not in place)."""
+    Returns the step the run continues from in place (None: not in place) and, per logger name, the
+    arguments that continue it (passed when the logger is built; the config is not written)."""
     output_dir = Path(output_dir)
     step = in_place_step(ckpt, output_dir)
     if step is None:
-        return None
-    with open_dict(cfg):
-        for conf in (cfg.get("logger") or {}).values():
-            target = str(conf.get("_target_", "")) if isinstance(conf, DictConfig) else ""
-            if target.endswith(("TensorBoardLogger", "CSVLogger")):
-                _pin_version(conf)
-            if target.endswith("TensorBoardLogger"):
-                conf.purge_step = step  # SummaryWriter: hide events at or after it from the last attempt
-            if target.endswith("WandbLogger") and not conf.get("id") and (output_dir / WANDB_ID_FILE).is_file():
-                conf.id = (output_dir / WANDB_ID_FILE).read_text().strip()
-                log.info("resume: continuing W&B run %s", conf.id)
-    return step
+        return None, {}
+    overrides: dict[str, dict] = {}
+    for name, conf in (cfg.get("logger") or {}).items():
+        target = str(conf.get("_target_", "")) if isinstance(conf, DictConfig) else ""
+        args = overrides.setdefault(str(name), {})
+        if target.endswith(("TensorBoardLogger", "CSVLogger")):
+            args.update(_pinned_version(conf))
+        if target.endswith("TensorBoardLogger"):
+            args["purge_step"] = step  # SummaryWriter: hide events at or after it from the last attempt
+        if target.endswith("WandbLogger") and not conf.get("id") and (output_dir / WANDB_ID_FILE).is_file():
+            args["id"] = (output_dir / WANDB_ID_FILE).read_text().strip()
+            log.info("resume: continuing W&B run %s", args["id"])
+    return step, {name: args for name, args in overrides.items() if args}
 
 
 def settle_run_dir(loggers: list[Any], output_dir: Path, step: int | None) -> None:
@@ -214,15 +216,14 @@ def _trim_jsonl(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _pin_version(conf: DictConfig) -> None:
+def _pinned_version(conf: DictConfig) -> dict[str, int]:
     """An auto version (None) would start version_<n+1> in a resumed run: keep the newest."""
     if conf.get("version", None) is not None:
-        return
+        return {}
     name = conf.get("name", "lightning_logs") or ""
     versions = [int(p.name.split("_")[1]) for p in Path(str(conf.save_dir), name).glob("version_*")
                 if p.name.split("_")[1].isdigit()]
-    if versions:
-        conf.version = max(versions)
+    return {"version": max(versions)} if versions else {}
 
 
 def _continue_csv(logger: Any, step: int) -> None:

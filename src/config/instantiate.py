@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import re
+from typing import Callable
 
 import hydra
 from lightning.pytorch import Callback
@@ -24,16 +25,18 @@ _CALLED = re.compile(r"Error in call to target '([\w.]+)'")
 _FULL_KEY = re.compile(r"full_key: (\S+)")
 
 
-def _instantiate_group(group: DictConfig | None, kind: str) -> list:
+def _instantiate_group(group: DictConfig | None, kind: str, arguments: dict[str, dict] | None = None,
+                       keep: Callable[[DictConfig], bool] | None = None) -> list:
     objects = []
     if not group:
         return objects
     if not isinstance(group, DictConfig):
         raise TypeError(f"{kind} config must be a mapping of name -> config")
     for name, conf in group.items():
-        if isinstance(conf, DictConfig) and "_target_" in conf:
+        if isinstance(conf, DictConfig) and "_target_" in conf and (keep is None or keep(conf)):
             log.debug("instantiating %s %s <%s>", kind, name, conf._target_)
-            objects.append(instantiate_section(conf, f"{'logger' if kind == 'logger' else 'callbacks'}.{name}"))
+            objects.append(instantiate_section(conf, f"{'logger' if kind == 'logger' else 'callbacks'}.{name}",
+                                               **(arguments or {}).get(str(name), {})))
     return objects
 
 
@@ -109,10 +112,13 @@ def _raise_if_unknown_option(error: BaseException, key: str, target: str) -> Non
         error = error.__cause__ or error.__context__
 
 
-def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
-    """Every entry of ``callbacks`` with a ``_target_``; ``~callbacks.<name>`` removes one."""
-    return _instantiate_group(cfg, "callback")
+def instantiate_callbacks(cfg: DictConfig | None, keep: Callable[[DictConfig], bool] | None = None) -> list[Callback]:
+    """Every entry of ``callbacks`` with a ``_target_`` (and for which ``keep`` says yes); ``~callbacks.<name>``
+    removes one."""
+    return _instantiate_group(cfg, "callback", keep=keep)
 
 
-def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
-    return _instantiate_group(cfg, "logger")
+def instantiate_loggers(cfg: DictConfig | None, arguments: dict[str, dict] | None = None) -> list[Logger]:
+    """Every entry of ``logger``; ``arguments``: per logger name, values passed over its config's (the run's
+    resume and sweep identity: the config itself is read-only after prepare)."""
+    return _instantiate_group(cfg, "logger", arguments)

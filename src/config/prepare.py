@@ -20,8 +20,9 @@ What ``prepare`` changes in ``cfg`` (in this order). None of it imports torch, L
 transformers (but for the probes named in config/validate.py), so bad input fails in under a
 second; tests/config/test_validation_imports.py holds that:
 
-1. ``validate_config`` (config/validate.py): every key checked, one-line ConfigError. It also
-   fits ``trainer.devices``/``num_nodes`` to an external launcher's world (distributed/launch_env.py).
+1. ``validate_config`` (config/validate.py): every key checked, one-line ConfigError; it writes nothing
+   and returns the ``trainer.devices``/``num_nodes`` an external launcher's world fixes, adopted here
+   (distributed/launch_env.py launcher_world).
 2. ``data.tokenizer``/``data.vocab_size`` from the tokenizer in use (config/tokenizer_check.py).
 3. ``DS_ACCELERATOR=cpu`` for a CPU run (DeepSpeed reads it at import).
 4. ``data.global_batch_size`` -> per-rank ``data.batch_size`` (config/global_batch.py).
@@ -29,36 +30,40 @@ second; tests/config/test_validation_imports.py holds that:
 6. ``optim.optimizer.lr`` := ``optim.lr`` scaled to the global batch (models/optim.py scaled_lr).
 7. ``optim.optimizer.fused: auto`` := true, false under torch AMP fp16 (models/optim.py resolve_fused).
 
-Changed later, by the layers that own the knowledge (not config's business): ``data.vocab_size``
-once a hub tokenizer is loaded (trainer/entry.py build), the loggers' resume identity
-(checkpoint/resume.py prepare_loggers) and the W&B sweep group (callbacks/log_sync.py).
+Then the config is read-only, and the returned run plan (config/plan.py) holds the derived values, the
+composed config as asked, and what changed and why. Nothing writes the config later: a value known only
+then (a hub tokenizer's vocabulary, the loggers' resume and sweep identity) is passed as an argument to
+what is built, and a new plan records it (docs/architecture.md, "From the command line to the report").
 """
 
 from __future__ import annotations
 
+import copy
 import os
-import weakref
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dsdebug.config.ds_config import apply_ds_json_to_cfg
 from dsdebug.config.global_batch import apply_global_batch_size, world_size
+from dsdebug.config.plan import RunPlan, adjustments_between, plan_of, register_plan
 from dsdebug.config.tokenizer_check import settle_tokenizer
 from dsdebug.config.validate import fp16_supported, validate_config
 from dsdebug.models.optim import resolve_fused, scaled_lr
 
 __all__ = ["prepare", "is_prepared"]
 
-_prepared: dict[int, weakref.ref] = {}  # by identity: DictConfig compares (and hashes) by content
 
-
-def prepare(cfg: DictConfig) -> DictConfig:
-    """Validate ``cfg`` and settle every value derived from others, in place; returns ``cfg``.
-    Call it once per process, before ``build``; a second call is refused (it would validate a
-    config that was already changed by the derivations)."""
+def prepare(cfg: DictConfig) -> RunPlan:
+    """Validate ``cfg``, settle every value derived from others into it, make it read-only and return
+    the run plan (config/plan.py). Call it once per process, before ``build``; a second call is refused
+    (it would validate a config that was already changed by the derivations)."""
     if is_prepared(cfg):
         raise RuntimeError("prepare(cfg) was already called on this config")
-    validate_config(cfg)
+    asked = copy.deepcopy(cfg)  # the composed config, as the user asked for it
+    world = validate_config(cfg)
+    with open_dict(cfg):
+        for key, value in world.items():  # an external launcher's world: trainer.devices / num_nodes
+            cfg.trainer[key] = value
     settle_tokenizer(cfg)
     if str(cfg.trainer.accelerator) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -70,11 +75,21 @@ def prepare(cfg: DictConfig) -> DictConfig:
         if "fused" in cfg.optim.optimizer:
             cfg.optim.optimizer.fused = resolve_fused(cfg.optim.optimizer.fused, cfg.trainer.precision,
                                                       (cfg.get("strategy") or {}).get("_target_"))
-    _prepared[id(cfg)] = weakref.ref(cfg)
-    return cfg
+    from dsdebug.distributed.sweep import wandb_sweep_identity
+
+    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train"))) \
+        if (cfg.get("logger") or {}).get("wandb") is not None else None
+    OmegaConf.set_readonly(asked, True)
+    OmegaConf.set_readonly(cfg, True)  # from here on a write raises (tests/config/test_plan.py)
+    return register_plan(RunPlan(
+        cfg=cfg, asked=asked, world_size=world_size(cfg), devices=cfg.trainer.devices,
+        num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1), per_rank_batch=int(cfg.data.batch_size),
+        accumulate=int(cfg.trainer.accumulate_grad_batches), global_batch=int(global_batch),
+        lr_asked=float(cfg.optim.lr), lr=float(cfg.optim.optimizer.lr), vocab_size=cfg.data.get("vocab_size"),
+        tokenizer=cfg.data.get("tokenizer"), fused=cfg.optim.optimizer.get("fused"),
+        logger_identity=dict(identity or {}), adjustments=adjustments_between(asked, cfg)))
 
 
 def is_prepared(cfg: DictConfig) -> bool:
     """Whether ``prepare`` ran on this config object (``build``/``train`` need it)."""
-    ref = _prepared.get(id(cfg))
-    return ref is not None and ref() is cfg
+    return plan_of(cfg) is not None

@@ -9,6 +9,7 @@ ds_config.json's zero section. The table of bad inputs and their errors: docs/ba
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -17,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dsdebug.errors import ConfigError, fail
 from dsdebug.config.ds_config import check_ds_json
 from dsdebug.config.global_batch import check_global_batch_size
-from dsdebug.distributed.launch_env import check_launcher_matches
+from dsdebug.distributed.launch_env import launcher_world
 from dsdebug.config.targets import check_targets
 from dsdebug.config.callback_args import check_callback_args
 from dsdebug.models.ckpt_mode import checkpointing_mode
@@ -68,7 +69,9 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate_config(cfg: DictConfig) -> None:
+def validate_config(cfg: DictConfig) -> dict[str, int]:
+    """Check every key (a one-line ConfigError). Writes nothing; returns the ``trainer`` values an external
+    launcher's world fixes (``prepare`` adopts them), against which the rest was checked."""
     _check_required(cfg)
     _positive_number(cfg.optim.lr, "optim.lr")
     fused = (cfg.optim.get("optimizer") or {}).get("fused")
@@ -86,7 +89,12 @@ def validate_config(cfg: DictConfig) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
     _validate_devices(t)
-    check_launcher_matches(cfg)
+    world = launcher_world(cfg)
+    if world:  # the rest is checked against the world the run will have
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.trainer.update(world)
+        t = cfg.trainer
     if not isinstance(cfg.get("malloc_tuning", True), bool):
         raise ConfigError(f"malloc_tuning={cfg.get('malloc_tuning')!r} is invalid; valid: true (keep freed host "
                           "memory for reuse), false (glibc's defaults)")
@@ -112,7 +120,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_model_fits_data(cfg)
     check_global_batch_size(cfg)
     check_targets(cfg)
-    check_callback_args(cfg)  # each check's own check_args rules, read from its source
+    check_callback_args(cfg)  # each check's declared argument rules, read as data (config/check_args.json)
     # Last, the checks that ask the machine or a library: torch for the GPU count and CPU fp16,
     # DeepSpeed's own schema for a ds_config.json's zero section. Every other value has been
     # checked by now without importing either (tests/config/test_validation_imports.py).
@@ -123,6 +131,7 @@ def validate_config(cfg: DictConfig) -> None:
             "valid here: 32-true, bf16-mixed (or run with trainer=gpu)"
         )
     check_ds_json(cfg)
+    return world
 
 
 def _check_required(cfg: DictConfig) -> None:

@@ -21,11 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from omegaconf import open_dict
-
 from dsdebug.errors import ConfigError
 
-__all__ = ["LauncherWorld", "check_launcher_matches", "detect"]
+__all__ = ["LauncherWorld", "launcher_world", "detect"]
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +87,13 @@ def _explicit_trainer_keys() -> set[str]:
     return {k.split(".", 1)[1] for k in keys if k in ("trainer.devices", "trainer.num_nodes")}
 
 
-def check_launcher_matches(cfg: Any) -> None:
-    """Adopt the launcher's world into ``cfg.trainer`` (devices, num_nodes); an explicit contradiction is
-    a ConfigError."""
+def launcher_world(cfg: Any) -> dict[str, int]:
+    """The ``trainer`` values (devices, num_nodes) that the launcher's world fixes and the config does not
+    already have -- ``prepare`` adopts them (config/prepare.py); this function writes nothing. An explicit
+    contradiction is a ConfigError."""
     world = detect()
     if world is None:
-        return
+        return {}
     t = cfg.trainer
     devices, nodes = t.devices, int(t.get("num_nodes", 1) or 1)
     explicit = _explicit_trainer_keys()
@@ -103,7 +102,7 @@ def check_launcher_matches(cfg: Any) -> None:
             raise ConfigError(f"trainer.devices={devices} x trainer.num_nodes={nodes} does not match the processes "
                               f"{world.launcher} started ({world.seen}); set them so that their product is "
                               f"{world.world}")
-        return
+        return {}
     want = {"devices": world.per_node, "num_nodes": world.nodes}
     have = {"devices": devices, "num_nodes": nodes}
     wrong = [k for k in want if have[k] != want[k]]
@@ -113,9 +112,8 @@ def check_launcher_matches(cfg: Any) -> None:
             f"started ({world.seen}); valid: trainer.devices={want['devices']} trainer.num_nodes={want['num_nodes']} "
             "(or leave both out: the launcher's world is used)"
         )
-    with open_dict(cfg):
-        for key in wrong:
-            if world.rank == 0:
-                log.info("trainer.%s=%s -> %s: the world %s started (%s)", key, have[key], want[key],
-                         world.launcher, world.seen)
-            t[key] = want[key]
+    for key in wrong:
+        if world.rank == 0:
+            log.info("trainer.%s=%s -> %s: the world %s started (%s)", key, have[key], want[key],
+                     world.launcher, world.seen)
+    return {key: want[key] for key in wrong}

@@ -27,7 +27,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-__all__ = ["JOB_STATUS", "METRICS", "SweepSummary", "fill_wandb_sweep_identity", "run_job_in_subprocess",
+__all__ = ["JOB_STATUS", "METRICS", "SweepSummary", "wandb_logger_arguments", "run_job_in_subprocess",
            "wandb_sweep_identity"]
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def run_job_in_subprocess(cfg: DictConfig, script: str | None = None) -> float:
     if rank == 0:
         log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    # W&B groups the jobs of one sweep (fill_wandb_sweep_identity below); Optuna writes no multirun.yaml
+    # W&B groups the jobs of one sweep (wandb_logger_arguments below, from the run plan); Optuna writes no multirun.yaml
     env["DSDEBUG_SWEEP_DIR"] = str(job_dir.parent)
     env["DSDEBUG_JOB_NUM"] = str(hc.job.num)
     if job is None:
@@ -145,17 +145,15 @@ def wandb_sweep_identity(run_dir: str | Path, task_name: str = "train") -> dict[
     return {"group": group, "name": f"{group}-{job}"}
 
 
-def fill_wandb_sweep_identity(cfg: Any) -> None:
-    """Set ``logger.wandb.group``/``name`` for a multirun job unless the user set them; call
-    before the loggers are instantiated."""
-    from omegaconf import open_dict
-
+def wandb_logger_arguments(cfg: Any, identity: dict | None) -> dict[str, dict]:
+    """``logger.wandb.group``/``name`` for a multirun job (``identity``: the plan's sweep identity) unless the user
+    set them: the arguments the W&B logger is built with (the config is not written)."""
     wandb_cfg = (cfg.get("logger") or {}).get("wandb")
-    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train")))
-    if wandb_cfg is None or identity is None:
-        return
-    with open_dict(wandb_cfg):
-        if not wandb_cfg.get("group"):
-            wandb_cfg.group = identity["group"]
-        if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
-            wandb_cfg.name = identity["name"]
+    if wandb_cfg is None or not identity:
+        return {}
+    args = {}
+    if not wandb_cfg.get("group"):
+        args["group"] = identity["group"]
+    if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
+        args["name"] = identity["name"]
+    return {"wandb": args} if args else {}

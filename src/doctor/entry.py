@@ -22,9 +22,9 @@ from typing import Any
 
 import hydra
 import lightning as L
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from dsdebug.config.prepare import is_prepared
+from dsdebug.config.plan import RunPlan, plan_of
 from dsdebug.distributed.liveness import watch_parent
 from dsdebug.doctor.callback import DoctorCallback
 from dsdebug.doctor.verdict import print_verdict, summary_line
@@ -32,7 +32,7 @@ from dsdebug.errors import StoppedByCheck
 from dsdebug.findings import Finding, configure_channel
 from dsdebug.findings.secrets import redact
 from dsdebug.report.finish import finish_run
-from dsdebug.trainer.entry import build
+from dsdebug.trainer.entry import build, model_config
 
 __all__ = ["doctor"]
 
@@ -41,17 +41,16 @@ log = logging.getLogger(__name__)
 
 def doctor(cfg: DictConfig) -> dict[str, Any]:
     started, cpu_started = time.time(), time.process_time()
-    if not is_prepared(cfg):
+    plan = plan_of(cfg)
+    if plan is None:
         raise RuntimeError("doctor(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()
     output_dir = Path(cfg.paths.output_dir)
     configure_channel(output_dir)
     L.seed_everything(cfg.seed, workers=True)
-    asked = _user_values(cfg)
-    with open_dict(cfg):
-        cfg.callbacks = {name: conf for name, conf in (cfg.get("callbacks") or {}).items() if _keeps(conf)}
-    datamodule, module, trainer, _ = build(cfg)
-    net_cfg = cfg.model.net
+    asked = _user_values(plan)
+    datamodule, module, trainer, _ = build(cfg, keep_callback=_keeps)
+    net_cfg = model_config(cfg)["net"]
     pretrained = net_cfg.get("name_or_path") is not None
     callback = DoctorCallback(net_factory=lambda: hydra.utils.instantiate(net_cfg), pretrained=pretrained,
                               user_values=asked, workdir=output_dir / "doctor")
@@ -62,6 +61,7 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = redact(OmegaConf.to_container(cfg, resolve=True))
         (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        plan_of(cfg).write(output_dir)
     trainer.fit(module, datamodule=datamodule)
     results = callback.results
     failed = [r for r in results if r.failed]
@@ -105,11 +105,9 @@ def _keeps(conf: Any) -> bool:
     return bool(target) and not target.startswith(("dsdebug.", "lightning."))
 
 
-def _user_values(cfg: DictConfig) -> dict[str, Any]:
-    """What the user asked for, before the build adjusts anything (prepare's LR scaling is undone
-    from ``optim.lr``, which prepare leaves as given)."""
-    def get(key: str) -> Any:
-        return OmegaConf.select(cfg, key, default=None)
-
-    return {key: get(key) for key in ("optim.lr", "optim.grad_clip", "trainer.max_steps", "data.seq_len",
-                                      "data.batch_size", "trainer.accumulate_grad_batches")}
+def _user_values(plan: RunPlan) -> dict[str, Any]:
+    """What the user asked for (the composed config, before prepare), but the per-rank batch and accumulation:
+    the ones the run uses (data.global_batch_size or a ds_config sets them), which the probes compare with
+    the engine's and the out-of-memory advice divides."""
+    values = {key: plan.asked_for(key) for key in ("optim.lr", "optim.grad_clip", "trainer.max_steps", "data.seq_len")}
+    return {**values, "data.batch_size": plan.per_rank_batch, "trainer.accumulate_grad_batches": plan.accumulate}

@@ -9,6 +9,7 @@ the run dir are rank 0's.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ from typing import Any
 import hydra
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dsdebug.callbacks import is_debug_check
 from dsdebug.callbacks.isolation import set_strict
@@ -31,7 +32,6 @@ from dsdebug.models.int8_export import val_batches
 from dsdebug.report.finish import finish_run
 from dsdebug.report.history import HistoryLogger
 from dsdebug.checkpoint.final_step import FinalStep
-from dsdebug.config.global_batch import world_size
 from dsdebug.distributed.liveness import LivenessCallback, watch_parent
 from dsdebug.distributed.liveness import state as liveness_state
 from dsdebug.checkpoint.preemption import PreemptionCheckpoint
@@ -41,26 +41,42 @@ from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
 from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
 from dsdebug.findings.secrets import redact
-from dsdebug.config.tokenizer_check import check_fits_model, settle_vocab_size
-from dsdebug.config.prepare import is_prepared
+from dsdebug.config.tokenizer_check import check_fits_model, check_vocab_size
+from dsdebug.config.plan import Adjustment, plan_of, replace_plan
 
-__all__ = ["build", "train"]
+__all__ = ["build", "model_config", "train"]
 
 log = logging.getLogger(__name__)
 
 
-def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
+def build(cfg: DictConfig, logger_arguments: dict[str, dict] | None = None,
+          keep_callback: Any = None) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
+    """Data, model, callbacks, loggers, strategy and trainer from a prepared config (read-only: what a value
+    known only now changes goes into the run plan and into the arguments the objects are built with).
+    ``logger_arguments``: per logger, values over its config (a resume in place); ``keep_callback``: which of
+    ``callbacks`` to build (the doctor keeps the user's own)."""
+    plan = plan_of(cfg)
+    if plan is None:
+        raise RuntimeError("build(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     # callbacks first: they set env vars/flags (seeds, NCCL debug) before anything else exists,
     # and a bad callback value fails in ~1 s instead of after data and model are built
-    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    callbacks = instantiate_callbacks(cfg.get("callbacks"), keep=keep_callback)
     for callback in callbacks:  # checks that compare the run's config across ranks (consistency)
         if hasattr(callback, "bind_config"):
             callback.bind_config(cfg)
     datamodule = instantiate_section(cfg.data, "data")
     pretrained = getattr(datamodule, "pretrained", None)
-    if pretrained is not None:  # a hub tokenizer's size is known only now; model configs interpolate it
-        settle_vocab_size(cfg, datamodule.vocab_size, pretrained.label)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if pretrained is not None and datamodule.vocab_size != plan.vocab_size:
+        # a hub tokenizer's size is known only now: the plan records it (config/plan.py replace_plan) and the model
+        # section is resolved with it (model_config); the config itself is not written
+        check_vocab_size(cfg, datamodule.vocab_size, pretrained.label)
+        if rank_zero_only.rank == 0:
+            log.info("data.vocab_size=%s -> %d: it follows %s", cfg.data.vocab_size, datamodule.vocab_size,
+                     pretrained.label)
+        replace_plan(cfg, Adjustment("data.vocab_size", cfg.data.vocab_size, datamodule.vocab_size,
+                                     f"follows {pretrained.label}, read when the data was built"),
+                     vocab_size=datamodule.vocab_size)
+    model_cfg = model_config(cfg)
     model_cfg.pop("tokenizer", None)  # read by the data config (data.tokenizer), not a module argument
     module = instantiate_section(
         model_cfg, "model",
@@ -76,10 +92,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
     # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
     callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
-    from dsdebug.distributed.sweep import fill_wandb_sweep_identity
+    from dsdebug.distributed.sweep import wandb_logger_arguments
 
-    fill_wandb_sweep_identity(cfg)  # multirun job: W&B group = sweep, name = sweep + job, unless set
-    loggers = instantiate_loggers(cfg.get("logger"))
+    arguments = wandb_logger_arguments(cfg, plan.logger_identity)  # a sweep job: W&B group and name, unless set
+    for name, args in (logger_arguments or {}).items():
+        arguments.setdefault(name, {}).update(args)
+    loggers = instantiate_loggers(cfg.get("logger"), arguments)
     # every scalar any logger gets also lands in <run_dir>/history.jsonl (for the report)
     loggers.append(HistoryLogger(cfg.paths.output_dir))
     strategy = instantiate_section(cfg.strategy, "strategy")
@@ -91,6 +109,19 @@ def build(cfg: DictConfig) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
     if hasattr(trainer.strategy, "check_params"):  # a parameter the engine cannot hold: one line now, before any rank starts
         trainer.strategy.check_params(module, trainer.gradient_clip_val)
     return datamodule, module, trainer, final_ckpt
+
+
+def model_config(cfg: DictConfig) -> dict[str, Any]:
+    """The ``model`` section resolved for the run: its ``${data.vocab_size}`` interpolations take the plan's
+    vocabulary (a hub tokenizer's, when it differs from the config's)."""
+    plan = plan_of(cfg)
+    source = cfg
+    if plan is not None and plan.vocab_size is not None and plan.vocab_size != cfg.data.get("vocab_size"):
+        source = copy.deepcopy(cfg)
+        OmegaConf.set_readonly(source, False)
+        with open_dict(source):
+            source.data.vocab_size = plan.vocab_size
+    return OmegaConf.to_container(source.model, resolve=True)
 
 
 def _check_vocab(module: Any, datamodule: Any, pretrained_net: bool) -> None:
@@ -116,7 +147,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """build -> fit -> export -> report for a config that ``dsdebug.config.prepare.prepare`` has
     validated and completed (trainer/cli.py run calls it first; so does tests' train_in_process)."""
     started = time.time()
-    if not is_prepared(cfg):
+    if plan_of(cfg) is None:
         raise RuntimeError("train(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
     set_strict((cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
@@ -131,10 +162,10 @@ def _train(cfg: DictConfig, started: float) -> dict[str, Any]:
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s
     chosen = resolve_ckpt_path(cfg, output_dir)
-    ckpt_path, universal = plan_resume(cfg, chosen, output_dir, world_size(cfg))
-    resume_step = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
+    ckpt_path, universal = plan_resume(cfg, chosen, output_dir, plan_of(cfg).world_size)
+    resume_step, logger_arguments = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
     L.seed_everything(cfg.seed, workers=True)
-    datamodule, module, trainer, final_ckpt = build(cfg)
+    datamodule, module, trainer, final_ckpt = build(cfg, logger_arguments)
     stop_if_received("while the model and data were built")  # a preemption signal so far: end here
     if universal:
         enable_universal_loading(trainer.strategy)
@@ -164,7 +195,8 @@ def _train(cfg: DictConfig, started: float) -> dict[str, Any]:
         metrics["status"] = "preempted"
     if trainer.is_global_zero:
         if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf) and not preempted:
-            net_factory = lambda: hydra.utils.instantiate(cfg.model.net)  # noqa: E731
+            net_cfg = model_config(cfg)["net"]
+            net_factory = lambda: hydra.utils.instantiate(net_cfg)  # noqa: E731
             pretrained = getattr(datamodule, "pretrained", None)
             metrics["exports"] = export_final(
                 final_ckpt.path, output_dir / "export", net_factory, datamodule.tokenizer, hf=bool(cfg.export.hf),
@@ -211,6 +243,7 @@ def _write_config(cfg: DictConfig, output_dir: Path, trainer: L.Trainer) -> None
     output_dir.mkdir(parents=True, exist_ok=True)
     resolved = redact(OmegaConf.to_container(cfg, resolve=True))
     (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    plan_of(cfg).write(output_dir)  # run_plan.json: the derived values, and what prepare changed and why
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved)
 

@@ -160,12 +160,12 @@ def test_in_place_keeps_rows_before_the_checkpoint_step_and_the_same_logger_dirs
         "tensorboard": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "save_dir": str(run / "tensorboard"),
                         "name": None, "version": None},
         "wandb": {"_target_": "lightning.pytorch.loggers.wandb.WandbLogger"}}})
-    OmegaConf.set_struct(cfg, True)
+    OmegaConf.set_readonly(cfg, True)  # as prepare leaves it: the overrides are arguments, not config writes
 
-    assert prepare_loggers(cfg, str(ckpt), run) == 3
-    assert cfg.logger.tensorboard.version == 0 and cfg.logger.tensorboard.purge_step == 3
-    assert cfg.logger.wandb.id == "abc123"
-    assert prepare_loggers(OmegaConf.create({"logger": {}}), str(_ckpt(tmp_path / "elsewhere", 3, 0)), run) is None
+    assert prepare_loggers(cfg, str(ckpt), run) == (3, {"tensorboard": {"version": 0, "purge_step": 3},
+                                                        "wandb": {"id": "abc123"}})
+    assert prepare_loggers(OmegaConf.create({"logger": {}}), str(_ckpt(tmp_path / "elsewhere", 3, 0)), run) == (None,
+                                                                                                              {})
 
     new = CSVLogger(str(run), name="csv", version="")
     settle_run_dir([new], run, 3)

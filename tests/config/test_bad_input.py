@@ -136,7 +136,7 @@ def test_fp16_on_a_cpu_with_fp16_passes_validation(tmp_path, shared_cache, monke
     probed = []
     monkeypatch.setattr(validate, "fp16_supported", lambda accelerator: probed.append(accelerator) or True)
     try:
-        cfg = prepare(compose_as_hydra_main([*SMOKE, "trainer.precision=16-mixed"], tmp_path / "run", shared_cache))
+        cfg = prepare(compose_as_hydra_main([*SMOKE, "trainer.precision=16-mixed"], tmp_path / "run", shared_cache)).cfg
     finally:
         HydraConfig.instance().cfg = None
     assert cfg.trainer.precision == "16-mixed" and probed == ["cpu"]

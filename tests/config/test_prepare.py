@@ -52,7 +52,7 @@ def test_prepare_refuses_a_second_call_and_train_an_unprepared_config(tmp_path, 
     with pytest.raises(RuntimeError, match="needs a prepared config"):
         train(cfg)
     assert not is_prepared(cfg) and not validations
-    assert prepare(cfg) is cfg and is_prepared(cfg)
+    assert prepare(cfg).cfg is cfg and is_prepared(cfg)
     with pytest.raises(RuntimeError, match="already called"):
         prepare(cfg)
     assert len(validations) == 1

@@ -108,16 +108,17 @@ def test_detect_names_each_launcher_and_its_world():
 
 @pytest.mark.parametrize("env", [TORCHRUN_2X2, DEEPSPEED_2X2, SRUN_2X2], ids=["torchrun", "deepspeed", "srun"])
 def test_the_launchers_world_replaces_the_configs_defaults(env, monkeypatch):
-    from dsdebug.distributed.launch_env import check_launcher_matches
+    from dsdebug.distributed.launch_env import launcher_world
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     cfg = _cfg(devices=1, num_nodes=1)  # trainer=cpu's values, not given on the command line
-    check_launcher_matches(cfg)
-    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (2, 2)
+    assert launcher_world(cfg) == {"devices": 2, "num_nodes": 2}
+    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (1, 1)  # written by prepare, not by the check
     cfg = _cfg(devices="auto", num_nodes=2)
-    check_launcher_matches(cfg)
-    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (2, 2)
+    assert launcher_world(cfg) == {"devices": 2}
+    cfg = _cfg(devices=2, num_nodes=2)
+    assert launcher_world(cfg) == {}
 
 
 def test_deepspeeds_local_rank_argument_is_taken_off_hydras_command_line(monkeypatch):

@@ -49,7 +49,7 @@ def cli_error_lines(args: list[str], log_dir: Path, cache: Path, capsys) -> list
         check = OutputDirCheck()  # conf/hydra/default.yaml: before Hydra creates the run dir
         (check.on_multirun_start if multirun else check.on_run_start)(config=hydra_cfg)
         run_dir = Path(OmegaConf.select(hydra_cfg, "hydra.run.dir"))
-        cfg = prepare(compose_as_hydra_main(one_job, run_dir, cache))
+        cfg = prepare(compose_as_hydra_main(one_job, run_dir, cache)).cfg
         output_dir = Path(cfg.paths.output_dir)
         configure_channel(output_dir)
         chosen = resolve_ckpt_path(cfg, output_dir)

@@ -1,0 +1,149 @@
+"""The run plan: what ``prepare(cfg)`` settled, frozen, for the builders and checks to read.
+
+``prepare`` (config/prepare.py) validates the composed config, derives every value that follows from
+others into it, then makes it read-only and returns a :class:`RunPlan`: the typed derived values
+(world, per-rank and global batch, scaled LR, vocab, tokenizer, fused, the W&B sweep identity), the
+composed config as the user asked for it, and every value that differs between the two with the
+reason (``adjustments``). Nothing writes the config after that: a write raises
+(``omegaconf.errors.ReadonlyConfigError``). A value only known later (a hub tokenizer's vocabulary,
+read when the datamodule is built) gives a new plan, :func:`replace_plan`, never a config write.
+
+``run_plan.json`` lies next to ``config_resolved.yaml`` in the run dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["PLAN_FILE", "Adjustment", "RunPlan", "adjustments_between", "plan_of", "register_plan", "replace_plan"]
+
+PLAN_FILE = "run_plan.json"
+
+# why prepare changes a key (the steps in config/prepare.py; one reason per key it may write)
+_WHY = {
+    "trainer.devices": "fitted to the world the launcher started (distributed/launch_env.py)",
+    "trainer.num_nodes": "fitted to the world the launcher started (distributed/launch_env.py)",
+    "data.tokenizer": "the tokenizer in use (config/tokenizer_check.py)",
+    "data.vocab_size": "follows the tokenizer's id range",
+    "data.batch_size": "per rank, from data.global_batch_size or the ds_config's batch keys",
+    "trainer.accumulate_grad_batches": "from the ds_config's batch keys",
+    "trainer.gradient_clip_val": "the ds_config's gradient_clipping",
+    "trainer.precision": "the ds_config's fp16/bf16 section",
+    "optim.optimizer.lr": "optim.lr scaled to the global batch (optim.scale_lr_base_batch_size)",
+    "optim.optimizer.fused": "fused: auto, settled for this precision and strategy (models/optim.py resolve_fused)",
+}
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """One value the run uses that differs from the composed config: ``key``, what was ``asked``,
+    what is ``used``, and ``why``."""
+
+    key: str
+    asked: Any
+    used: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Read by ``build``/``train``/the doctor; ``cfg`` is the prepared config (read-only), ``asked``
+    the composed one before any derivation (read-only)."""
+
+    cfg: DictConfig = field(repr=False, compare=False)
+    asked: DictConfig = field(repr=False, compare=False)
+    world_size: int
+    devices: Any
+    num_nodes: int
+    per_rank_batch: int
+    accumulate: int
+    global_batch: int
+    lr_asked: float
+    lr: float
+    vocab_size: int | None
+    tokenizer: str | None
+    fused: Any
+    logger_identity: dict = field(default_factory=dict)  # {"group", "name"} for W&B in a sweep job; {} else
+    adjustments: tuple[Adjustment, ...] = ()
+
+    def used(self, key: str) -> Any:
+        """The value the run uses for a dotted key (the prepared config)."""
+        return OmegaConf.select(self.cfg, key, default=None)
+
+    def asked_for(self, key: str) -> Any:
+        """The value the composed config had for a dotted key, before prepare."""
+        return OmegaConf.select(self.asked, key, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("cfg", "asked")}
+        out["adjustments"] = [dataclasses.asdict(a) for a in self.adjustments]
+        return out
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / PLAN_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=1, default=str) + "\n")
+        return path
+
+
+def adjustments_between(asked: DictConfig, used: DictConfig) -> tuple[Adjustment, ...]:
+    """Every leaf whose resolved value differs between the two configs (an interpolation compared by
+    what it resolves to), with the reason prepare has for it ("changed by prepare" when it has none)."""
+    before, after = _leaves(_container(asked)), _leaves(_container(used))
+    keys = [k for k in after if before.get(k, _ABSENT) != after[k]]
+    keys += [k for k in before if k not in after]
+    return tuple(Adjustment(k, _shown(before.get(k, _ABSENT)), _shown(after.get(k, _ABSENT)),
+                            _WHY.get(k, "changed by prepare")) for k in keys)
+
+
+_plans: dict[int, tuple[weakref.ref, RunPlan]] = {}  # by identity: DictConfig compares (and hashes) by content
+
+
+def register_plan(plan: RunPlan) -> RunPlan:
+    _plans[id(plan.cfg)] = (weakref.ref(plan.cfg), plan)
+    return plan
+
+
+def plan_of(cfg: Any) -> RunPlan | None:
+    """The plan ``prepare`` made for this config object (None: not prepared)."""
+    held = _plans.get(id(cfg))
+    return held[1] if held is not None and held[0]() is cfg else None
+
+
+def replace_plan(cfg: DictConfig, adjustment: Adjustment, **values: Any) -> RunPlan:
+    """A value known only after prepare (a hub tokenizer's vocabulary): the plan for ``cfg`` becomes a new
+    frozen plan with ``values`` and the adjustment recorded; the config itself stays as it was."""
+    plan = plan_of(cfg)
+    if plan is None:
+        raise RuntimeError("replace_plan needs a prepared config")
+    kept = tuple(a for a in plan.adjustments if a.key != adjustment.key)
+    return register_plan(dataclasses.replace(plan, adjustments=(*kept, adjustment), **values))
+
+
+_ABSENT = "<absent>"
+
+
+def _container(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra's runtime resolves: compare unresolved
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}} if prefix else out
+    return {prefix[:-1]: node}
+
+
+def _shown(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool, type(None), list)) else str(value)
