@@ -74,7 +74,7 @@ _MODULES = {
     "DeepSpeedWallClock": "ds_wall_clock",
 }
 # modules every check may use: the base class, gradient access, the fp16 loss scale, the step clock
-SHARED = ("base", "isolation", "grad_access", "loss_scale", "step_clock")
+SHARED = ("base", "isolation", "grad_access", "loss_scale", "step_clock", "arg_table")
 SEVEN = ("Reproducibility", "CommDebug", "GradMonitor", "DataInspector", "Profiler", "FreezeVerify", "LogSync")
 # checks every run has (conf/callbacks/default.yaml), not selected by a debug= preset
 ALWAYS_ON_MODULES = ("dsdebug.callbacks.grad_scale", "dsdebug.callbacks.consistency")

@@ -14,8 +14,12 @@ Error policy (``on_error``), for findings of severity ``error``:
   for checks that run before the update;
 - ``stop``: the run saves a checkpoint and stops, exiting non-zero (code 3).
 
-Arguments: ``check_args(key=(value, rule))`` with the rules of ``config/args.py``; a bad value is
-one ``ConfigError`` naming ``callbacks.<name>.<key>`` and what is valid.
+Arguments: each check declares its rules on the class, ``arg_rules = {"key": rule}`` (the rules of
+``config/args.py``), and ``__init__`` applies them with ``check_declared(key=value)``; a bad value is one
+``ConfigError`` naming ``callbacks.<name>.<key>`` and what is valid. The declarations are data: the config
+layer reads them, from ``config/check_args.json`` (``python -m dsdebug.callbacks.arg_table`` writes it),
+to refuse a bad value before torch is imported. A rule that depends on another argument's value is
+applied in ``__init__`` with ``check_args(key=(value, rule))``, when the check is built.
 
 Cadence: ``due(step)`` is true every ``every_n_steps`` steps (0 or None: never).
 
@@ -124,10 +128,22 @@ class DebugCallback(Callback):
     runtime_attrs: ClassVar[tuple[str, ...]] = ()
     #: hooks run inside the fault-isolation guard (isolation.py); False only for what must fail the run
     isolated: ClassVar[bool] = True
+    #: the rules of this check's arguments (see the module docstring); ``on_error``'s follows ``policies``
+    arg_rules: ClassVar[dict[str, Rule]] = {}
 
     def __init__(self, on_error: str = "warn") -> None:
-        self.check_args(on_error=(on_error, one_of(*self.policies, note=self.policy_note)))
+        self.check_declared(on_error=on_error)
         self.on_error = on_error
+
+    @classmethod
+    def declared_rules(cls) -> dict[str, Rule]:
+        """Every declared argument rule of this check: ``on_error`` (from ``policies``), then ``arg_rules``."""
+        return {"on_error": one_of(*cls.policies, note=cls.policy_note), **cls.arg_rules}
+
+    def check_declared(self, **values: Any) -> None:
+        """``key=value`` for each declared argument: the first value its rule refuses is a ConfigError."""
+        rules = self.declared_rules()
+        self.check_args(**{key: (value, rules[key]) for key, value in values.items()})
 
     def check_args(self, **checks: tuple[Any, Rule]) -> None:
         """``key=(value, rule)`` for each argument: the first value its rule refuses is a ConfigError

@@ -12,10 +12,10 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dsdebug.distributed.flight_recorder import dump_path
-from dsdebug.config.args import integer, number, one_of, seconds
+from dsdebug.config.args import Rule, integer, number, one_of, seconds
 from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.distributed.timing import CommTracker, register_ddp_hook
@@ -83,6 +83,18 @@ class CommDebug(DebugCallback):
     runtime_attrs = ("tracker", "watchdog")  # a lock and a thread + store: built again in setup
     _fits = 0
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "nccl_debug": one_of(None, *NCCL_DEBUG_LEVELS, any_case=True),
+        "distributed_debug": one_of(None, *DISTRIBUTED_DEBUG_LEVELS, any_case=True),
+        "async_error_handling": one_of(None, 0, 1, 2, 3),
+        "trace_buffer_size": integer(0),
+        "collective_timeout_s": seconds(),
+        "hang_timeout_s": seconds(),
+        "hang_poll_s": number(0, open_low=True, note="seconds", finite=False),
+    }
+
     def __init__(self, run_dir: str | None = None, nccl_debug: str | None = "INFO", nccl_debug_subsys: str | None = None,
                  nccl_debug_file: bool = True, distributed_debug: str | None = "INFO",
                  async_error_handling: int | None = 1, blocking_wait: bool = False, trace_buffer_size: int = 2000,
@@ -90,15 +102,10 @@ class CommDebug(DebugCallback):
                  measure_comm: bool = True, hang_timeout_s: float | None = 300, hang_poll_s: float = 2.0,
                  on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            nccl_debug=(nccl_debug, one_of(None, *NCCL_DEBUG_LEVELS, any_case=True)),
-            distributed_debug=(distributed_debug, one_of(None, *DISTRIBUTED_DEBUG_LEVELS, any_case=True)),
-            async_error_handling=(async_error_handling, one_of(None, 0, 1, 2, 3)),
-            trace_buffer_size=(trace_buffer_size, integer(0)),
-            collective_timeout_s=(collective_timeout_s, seconds()),
-            hang_timeout_s=(hang_timeout_s, seconds()),
-            hang_poll_s=(hang_poll_s, number(0, open_low=True, note="seconds", finite=False)),
-        )
+        self.check_declared(nccl_debug=nccl_debug, distributed_debug=distributed_debug,
+                            async_error_handling=async_error_handling, trace_buffer_size=trace_buffer_size,
+                            collective_timeout_s=collective_timeout_s, hang_timeout_s=hang_timeout_s,
+                            hang_poll_s=hang_poll_s)
         # None (a plain project): the run dir is the Trainer's default_root_dir, known at setup
         self.run_dir = Path(run_dir) if run_dir else None
         self.collective_timeout_s = collective_timeout_s or None

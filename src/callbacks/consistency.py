@@ -13,11 +13,11 @@ import os
 import platform
 import socket
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from dsdebug.config.args import optional, strings
+from dsdebug.config.args import Rule, optional, strings
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.distributed import collectives
 from dsdebug.config.fingerprint import config_facts, config_hash
@@ -213,10 +213,16 @@ class ConsistencyCheck(DebugCallback):
     name = "consistency"
     state_attrs = ()  # facts of the processes that run now: compared again after a resume
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "env": optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]")),
+        "ignore": optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]")),
+    }
+
     def __init__(self, env: list[str] | None = None, ignore: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(on_error="warn")
-        self.check_args(env=(env, optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]"))),
-                        ignore=(ignore, optional(strings("a list of name patterns such as [NCCL_*, OMP_NUM_THREADS]"))))
+        self.check_declared(env=env, ignore=ignore)
         self.env_patterns = tuple(env) if env is not None else ENV_PATTERNS
         self.ignore = tuple(ignore or ())
         self.run_config: Any = None

@@ -8,11 +8,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from dsdebug.config.args import integer
+from dsdebug.config.args import Rule, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import display_name, grad_source, optimizer_param_lrs
 from dsdebug.errors import ConfigError
@@ -117,10 +117,17 @@ class FreezeVerify(DebugCallback):
     policy_note = "skip: the check runs after the updates"
     state_attrs = ("_base_sums",)  # the adapter base's sums at the first fit's start (all ranks alike)
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "check_after_steps": integer(1),
+        "max_names": integer(1),
+    }
+
     def __init__(self, train_only: Any = (), freeze: Any = (), check_after_steps: int = 3, max_names: int = 10,
                  on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(check_after_steps=(check_after_steps, integer(1)), max_names=(max_names, integer(1)))
+        self.check_declared(check_after_steps=check_after_steps, max_names=max_names)
         self.train_only, self.freeze = self._patterns("train_only", train_only), self._patterns("freeze", freeze)
         self.check_after_steps, self.max_names = check_after_steps, max_names
         self._handles: list[Any] = []

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.distributed import collectives
-from dsdebug.config.args import either, integer, number, optional
+from dsdebug.config.args import Rule, either, integer, number, optional
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of, run_clip,
@@ -93,6 +93,23 @@ class GradMonitor(DebugCallback):
     state_attrs = ("_ema_mean", "_ema_var", "_healthy_seen", "_vanished", "_counts", "_checked", "_largest",
                    "_early_norms", "_clip_ratios")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = no metrics"),
+        "max_norm": number(0, open_low=True),
+        "spike_factor": number(0, open_low=True),
+        "spike_min_ratio": number(1),
+        "ema_beta": number(0, 1, open_low=True, open_high=True),
+        "warmup_steps": integer(1),
+        "vanish_threshold": number(0, note="0 = off"),
+        "histogram_every_n_steps": integer(0, note="0 = off"),
+        "max_findings_per_code": integer(1),
+        "early_factor": either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)"),
+        "clip_shrink": either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)"),
+        "read_every_n_steps": optional(integer(1), "auto: 10 with on_error=warn, 1 with skip or stop"),
+    }
+
     def __init__(self, every_n_steps: int = 10, max_norm: float = 1.0e3, spike_factor: float = 6.0,
                  spike_min_ratio: float = 3.0, ema_beta: float = 0.95, warmup_steps: int = 50,
                  vanish_threshold: float = 1.0e-8, histogram_every_n_steps: int = 100,
@@ -107,21 +124,11 @@ class GradMonitor(DebugCallback):
         self.read_every = read_every_n_steps or (10 if on_error == "warn" else 1)
         # (step's vector on the device, step, batch, its fp16 loss scale: DeepSpeed's python number, else None)
         self._queue: list[tuple[torch.Tensor, int, int | None, float | None]] = []
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(0, note="0 = no metrics")),
-            max_norm=(max_norm, number(0, open_low=True)),
-            spike_factor=(spike_factor, number(0, open_low=True)),
-            spike_min_ratio=(spike_min_ratio, number(1)),
-            ema_beta=(ema_beta, number(0, 1, open_low=True, open_high=True)),
-            warmup_steps=(warmup_steps, integer(1)),
-            vanish_threshold=(vanish_threshold, number(0, note="0 = off")),
-            histogram_every_n_steps=(histogram_every_n_steps, integer(0, note="0 = off")),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-            early_factor=(early_factor, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
-            clip_shrink=(clip_shrink, either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)")),
-            read_every_n_steps=(read_every_n_steps, optional(integer(1), "auto: 10 with on_error=warn, 1 with skip "
-                                                                          "or stop")),
-        )
+        self.check_declared(every_n_steps=every_n_steps, max_norm=max_norm, spike_factor=spike_factor,
+                            spike_min_ratio=spike_min_ratio, ema_beta=ema_beta, warmup_steps=warmup_steps,
+                            vanish_threshold=vanish_threshold, histogram_every_n_steps=histogram_every_n_steps,
+                            max_findings_per_code=max_findings_per_code, early_factor=early_factor,
+                            clip_shrink=clip_shrink, read_every_n_steps=read_every_n_steps)
         self.early_factor, self.clip_shrink = float(early_factor), float(clip_shrink)
         self._clip: float | None = None  # the run's clip threshold (on_fit_start)
         self._clip_ratios: list[float] = []  # global norm / clip of the last CLIP_STEPS finite steps

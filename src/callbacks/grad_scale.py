@@ -6,11 +6,11 @@ The config example and the table of metrics and findings: the class docstring (`
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from dsdebug.config.args import number
+from dsdebug.config.args import Rule, number
 from dsdebug.callbacks.base import DebugCallback
 
 __all__ = ["GradScaleCheck"]
@@ -65,9 +65,15 @@ class GradScaleCheck(DebugCallback):
     policy_note = "skip: a wrong scale is wrong at every step"
     state_attrs = ()  # the verdict is about this process's engine and backward path
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "rtol": number(0, 1, open_low=True, open_high=True),
+    }
+
     def __init__(self, rtol: float = 1e-3, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(rtol=(rtol, number(0, 1, open_low=True, open_high=True)))
+        self.check_declared(rtol=rtol)
         self.rtol = float(rtol)
         self.done = False
         self.factor: float | None = None  # measured: 1.0 = as configured

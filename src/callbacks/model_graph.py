@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.config.args import boolean, integer
+from dsdebug.config.args import Rule, boolean, integer
 from dsdebug.models.graph_view import human, module_rows, render_markdown, render_svg
 
 __all__ = ["ModelGraph"]
@@ -41,9 +41,16 @@ class ModelGraph(DebugCallback):
     policies = ("warn",)
     policy_note = "it reports information only"
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "max_depth": integer(0),
+        "fold_repeats": boolean(),
+    }
+
     def __init__(self, max_depth: int = 5, fold_repeats: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(max_depth=(max_depth, integer(0)), fold_repeats=(fold_repeats, boolean()))
+        self.check_declared(max_depth=max_depth, fold_repeats=fold_repeats)
         self.max_depth, self.fold_repeats = max_depth, fold_repeats
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import Rule, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import step_loss
 from dsdebug.models.moe_aux import normalised_probs
@@ -81,26 +81,34 @@ class MoERouter(DebugCallback):
     policy_note = "skip: a window is judged after its steps were applied"
     state_attrs = ("_imbalanced", "_dead_seen", "_aux", "_aux_reported", "_counts")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "window_steps": integer(1),
+        "warmup_steps": integer(0),
+        "collapse_tokens": number(0, 1, open_low=True),
+        "collapse_entropy": number(0, 1, open_high=True, note="0 = off"),
+        "dead_below": number(0, 1, open_high=True),
+        "imbalance_max": number(1, open_low=True),
+        "imbalance_windows": integer(1),
+        "aux_rise": number(0),
+        "aux_windows": integer(0, note="0 = off"),
+        "max_findings_per_code": integer(1),
+        "early_steps": integer(0, note="0 = off"),
+        "early_patience": integer(1),
+    }
+
     def __init__(self, window_steps: int = 50, warmup_steps: int = 100, collapse_tokens: float = 0.9,
                  collapse_entropy: float = 0.3, dead_below: float = 0.0, imbalance_max: float = 3.5,
                  imbalance_windows: int = 2, aux_rise: float = 0.5, aux_windows: int = 3,
                  max_findings_per_code: int = 5, on_error: str = "warn", early_steps: int = 1,
                  early_patience: int = 1) -> None:
         super().__init__(on_error=on_error)
-        self.check_args(
-            window_steps=(window_steps, integer(1)),
-            warmup_steps=(warmup_steps, integer(0)),
-            collapse_tokens=(collapse_tokens, number(0, 1, open_low=True)),
-            collapse_entropy=(collapse_entropy, number(0, 1, open_high=True, note="0 = off")),
-            dead_below=(dead_below, number(0, 1, open_high=True)),
-            imbalance_max=(imbalance_max, number(1, open_low=True)),
-            imbalance_windows=(imbalance_windows, integer(1)),
-            aux_rise=(aux_rise, number(0)),
-            aux_windows=(aux_windows, integer(0, note="0 = off")),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-            early_steps=(early_steps, integer(0, note="0 = off")),
-            early_patience=(early_patience, integer(1)),
-        )
+        self.check_declared(window_steps=window_steps, warmup_steps=warmup_steps, collapse_tokens=collapse_tokens,
+                            collapse_entropy=collapse_entropy, dead_below=dead_below, imbalance_max=imbalance_max,
+                            imbalance_windows=imbalance_windows, aux_rise=aux_rise, aux_windows=aux_windows,
+                            max_findings_per_code=max_findings_per_code, early_steps=early_steps,
+                            early_patience=early_patience)
         self.early_steps, self.early_patience = early_steps, early_patience
         self.window_steps, self.warmup_steps = window_steps, warmup_steps
         self.collapse_tokens, self.collapse_entropy = float(collapse_tokens), float(collapse_entropy)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from dsdebug.config.args import boolean, integer
+from dsdebug.config.args import Rule, boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.callbacks.loss_scale import OverflowJudge, read_scaler
@@ -98,11 +98,19 @@ class NaNTriage(DebugCallback):
     name = "nan_triage"
     state_attrs = ("reruns", "labels")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "rerun": boolean(),
+        "max_reruns": integer(1),
+        "check_grads": boolean(),
+        "max_findings": integer(1),
+    }
+
     def __init__(self, rerun: bool = True, max_reruns: int = 3, check_grads: bool = True,
                  max_findings: int = 5, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(rerun=(rerun, boolean()), max_reruns=(max_reruns, integer(1)),
-                        check_grads=(check_grads, boolean()), max_findings=(max_findings, integer(1)))
+        self.check_declared(rerun=rerun, max_reruns=max_reruns, check_grads=check_grads, max_findings=max_findings)
         self.rerun, self.max_reruns, self.check_grads = rerun, max_reruns, check_grads
         self.max_findings = max_findings
         self.reruns = 0

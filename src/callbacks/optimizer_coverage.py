@@ -5,14 +5,14 @@ The config example and the table of findings: the class docstring (`OptimizerCov
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import display_name, optimizer_param_lrs
-from dsdebug.config.args import integer
+from dsdebug.config.args import Rule, integer
 
 __all__ = ["OptimizerCoverage", "graph_leaves", "where_held"]
 
@@ -96,9 +96,15 @@ class OptimizerCoverage(DebugCallback):
     policies = ("warn", "stop")
     policy_note = "skip: dropping the update does not make the optimizer hold the tensor"
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 1000, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(every_n_steps=(every_n_steps, integer(1)))
+        self.check_declared(every_n_steps=every_n_steps)
         self.every_n_steps = int(every_n_steps)
         self._param_ids: tuple[int, ...] | None = None
         self._reported: set[int] = set()

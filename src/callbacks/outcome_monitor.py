@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import step_loss, untrained_vocab
-from dsdebug.config.args import boolean, integer, number
+from dsdebug.config.args import Rule, boolean, integer, number
 from dsdebug.probes.causality import causality
 from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
 from dsdebug.probes.result import ProbeResult
@@ -74,17 +74,22 @@ class OutcomeMonitor(DebugCallback):
     name = "outcome_monitor"
     state_attrs = ("_gaps", "_reported")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "prior_margin": number(0),
+        "memorise_epochs": integer(2),
+        "gap_ratio": number(0, open_low=True),
+        "gap_evals": integer(2),
+        "low_fraction": number(0, 1, open_high=True, note="0 = off"),
+        "probe_on_the_spot": boolean(),
+    }
+
     def __init__(self, prior_margin: float = 0.25, memorise_epochs: int = 3, gap_ratio: float = 0.3,
                  gap_evals: int = 3, low_fraction: float = 0.1, probe_on_the_spot: bool = True) -> None:
         super().__init__()
-        self.check_args(
-            prior_margin=(prior_margin, number(0)),
-            memorise_epochs=(memorise_epochs, integer(2)),
-            gap_ratio=(gap_ratio, number(0, open_low=True)),
-            gap_evals=(gap_evals, integer(2)),
-            low_fraction=(low_fraction, number(0, 1, open_high=True, note="0 = off")),
-            probe_on_the_spot=(probe_on_the_spot, boolean()),
-        )
+        self.check_declared(prior_margin=prior_margin, memorise_epochs=memorise_epochs, gap_ratio=gap_ratio,
+                            gap_evals=gap_evals, low_fraction=low_fraction, probe_on_the_spot=probe_on_the_spot)
         self.probe_on_the_spot = probe_on_the_spot
         self._wanted: list[str] = []  # probes the rules just asked for (rank 0's decide)
         self._batch: dict | None = None  # the last training batch (a reference, no copy)

@@ -6,12 +6,12 @@ The config example and the table of metrics and findings: the class docstring (`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import Rule, integer, number
 from dsdebug.data.packing import cross_document_change, padding_fraction, positions_not_reset
 from dsdebug.probes.on_the_run import untouched
 from dsdebug.probes.train_eval import dropout_off
@@ -81,14 +81,21 @@ class PackingCheck(DebugCallback):
     """
     name = "packing"
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = the first step only"),
+        "leak_atol": number(0, open_low=True),
+        "max_padding": number(0, 1),
+        "tokens_tolerance": number(0, 1, open_low=True),
+        "max_findings": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 100, leak_atol: float = 1e-3, max_padding: float = 0.25,
                  tokens_tolerance: float = 0.25, max_findings: int = 5, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(every_n_steps=(every_n_steps, integer(0, note="0 = the first step only")),
-                        leak_atol=(leak_atol, number(0, open_low=True)),
-                        max_padding=(max_padding, number(0, 1)),
-                        tokens_tolerance=(tokens_tolerance, number(0, 1, open_low=True)),
-                        max_findings=(max_findings, integer(1)))
+        self.check_declared(every_n_steps=every_n_steps, leak_atol=leak_atol, max_padding=max_padding,
+                            tokens_tolerance=tokens_tolerance, max_findings=max_findings)
         self.every_n_steps, self.leak_atol, self.max_padding = every_n_steps, leak_atol, max_padding
         self.tokens_tolerance, self.max_findings = tokens_tolerance, max_findings
         self._probed: set[int] = set()

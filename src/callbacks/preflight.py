@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.config.args import boolean, integer, subset_of
+from dsdebug.config.args import Rule, boolean, integer, subset_of
 from dsdebug.probes.causality import causality
 from dsdebug.probes.init_loss import init_loss
 from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
@@ -71,15 +71,19 @@ class Preflight(DebugCallback):
     name = "preflight"
     # nothing kept across a resume: a resumed fit (global_step > 0) skips the probes unless on_resume
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "probes": subset_of("init_loss", "causality", "sample_independence", "train_eval", "plan"),
+        "on_resume": boolean(),
+        "samples": integer(2),
+    }
+
     def __init__(self, probes: list[str] | tuple[str, ...] = ("init_loss", "causality", "sample_independence",
                                                               "train_eval", "plan"),
                  on_resume: bool = False, samples: int = 2) -> None:
         super().__init__()
-        self.check_args(
-            probes=(probes, subset_of("init_loss", "causality", "sample_independence", "train_eval", "plan")),
-            on_resume=(on_resume, boolean()),
-            samples=(samples, integer(2)),
-        )
+        self.check_declared(probes=probes, on_resume=on_resume, samples=samples)
         self.probes, self.on_resume, self.samples = tuple(probes), on_resume, samples
         self._done = False
         self.results: list[ProbeResult] = []

@@ -10,12 +10,12 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
-from dsdebug.config.args import boolean, integer, number
+from dsdebug.config.args import Rule, boolean, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.data.loader_facts import describe_train_loader
 
@@ -87,17 +87,27 @@ class Profiler(DebugCallback):
     state_attrs = ()  # the profiler and its window belong to this process (every rank profiles itself)
     runtime_attrs = ("_prof", "_trainer")  # torch's profiler and the Trainer: started again in the new process
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "wait": integer(0),
+        "warmup": integer(0),
+        "active": integer(1),
+        "repeat": integer(1),
+        "top_n": integer(1),
+        "profile_memory": boolean(),
+        "record_shapes": boolean(),
+        "with_stack": boolean(),
+        "data_warn_fraction": number(0, 1, open_low=True),
+    }
+
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 3, repeat: int = 1, top_n: int = 15,
                  profile_memory: bool = True, record_shapes: bool = True, with_stack: bool = False,
                  data_warn_fraction: float = 0.3, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            wait=(wait, integer(0)), warmup=(warmup, integer(0)), active=(active, integer(1)),
-            repeat=(repeat, integer(1)), top_n=(top_n, integer(1)),
-            profile_memory=(profile_memory, boolean()), record_shapes=(record_shapes, boolean()),
-            with_stack=(with_stack, boolean()),
-            data_warn_fraction=(data_warn_fraction, number(0, 1, open_low=True)),
-        )
+        self.check_declared(wait=wait, warmup=warmup, active=active, repeat=repeat, top_n=top_n,
+                            profile_memory=profile_memory, record_shapes=record_shapes, with_stack=with_stack,
+                            data_warn_fraction=data_warn_fraction)
         self.wait, self.warmup, self.active, self.repeat, self.top_n = wait, warmup, active, repeat, top_n
         self.profile_memory, self.record_shapes, self.with_stack = profile_memory, record_shapes, with_stack
         self.data_warn_fraction = float(data_warn_fraction)

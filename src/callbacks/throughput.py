@@ -10,11 +10,11 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from dsdebug.config.args import integer, number, optional
+from dsdebug.config.args import Rule, integer, number, optional
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.data.loader_facts import describe_train_loader
 from dsdebug.models.flops import flops_per_token, gpu_peak_flops, measure_peak_flops
@@ -84,24 +84,31 @@ class Throughput(DebugCallback):
     name = "throughput"
     state_attrs = ()  # per-rank clocks (step times, data waits, utilisation), judged and counted per rank
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "warmup_steps": integer(0),
+        "window": integer(3),
+        "data_wait_threshold": number(0, 1, open_low=True, open_high=True),
+        "comm_forward_ratio": optional(number(0, open_low=True), "0.2 on CUDA, not judged on CPU"),
+        "gpu_util_threshold": number(0, 1),
+        "util_every_n_steps": integer(0, note="0 = off"),
+        "drop_factor": number(1, open_low=True),
+        "drop_patience": integer(1),
+        "peak_tflops": optional(number(0, open_low=True), "table on GPU, measured on CPU"),
+        "max_findings_per_code": integer(1),
+    }
+
     def __init__(self, warmup_steps: int = 10, window: int = 20, data_wait_threshold: float = 0.3,
                  comm_forward_ratio: float | None = None, gpu_util_threshold: float = 0.85, util_every_n_steps: int = 10,
                  drop_factor: float = 2.0, drop_patience: int = 5, peak_tflops: float | None = None,
                  max_findings_per_code: int = 3, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            warmup_steps=(warmup_steps, integer(0)),
-            window=(window, integer(3)),
-            data_wait_threshold=(data_wait_threshold, number(0, 1, open_low=True, open_high=True)),
-            comm_forward_ratio=(comm_forward_ratio, optional(number(0, open_low=True),
-                                                             "0.2 on CUDA, not judged on CPU")),
-            gpu_util_threshold=(gpu_util_threshold, number(0, 1)),
-            util_every_n_steps=(util_every_n_steps, integer(0, note="0 = off")),
-            drop_factor=(drop_factor, number(1, open_low=True)),
-            drop_patience=(drop_patience, integer(1)),
-            peak_tflops=(peak_tflops, optional(number(0, open_low=True), "table on GPU, measured on CPU")),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-        )
+        self.check_declared(warmup_steps=warmup_steps, window=window, data_wait_threshold=data_wait_threshold,
+                            comm_forward_ratio=comm_forward_ratio, gpu_util_threshold=gpu_util_threshold,
+                            util_every_n_steps=util_every_n_steps, drop_factor=drop_factor,
+                            drop_patience=drop_patience, peak_tflops=peak_tflops,
+                            max_findings_per_code=max_findings_per_code)
         self.warmup_steps, self.window = warmup_steps, window
         self.data_wait_threshold, self.comm_forward_ratio = float(data_wait_threshold), (
             None if comm_forward_ratio is None else float(comm_forward_ratio))

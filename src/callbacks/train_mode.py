@@ -5,12 +5,12 @@ The config example and the table of findings: the class docstring (`TrainMode`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.config.args import integer
+from dsdebug.config.args import Rule, integer
 
 __all__ = ["TrainMode", "flipped_modules", "top_of"]
 
@@ -64,9 +64,15 @@ class TrainMode(DebugCallback):
     policies = ("warn", "stop")
     policy_note = "skip: the update of the step is not what the modes change"
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 1, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(every_n_steps=(every_n_steps, integer(1)))
+        self.check_declared(every_n_steps=every_n_steps)
         self.every_n_steps = int(every_n_steps)
         self._modes: list[tuple[str, nn.Module, bool]] | None = None
         self._flipped: frozenset[str] = frozenset()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -15,7 +15,7 @@ from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, base_optimizer, decay_coupled, display_name,
                                             grad_source, host_float, local_param, optimizer_param_groups,
                                             sumsq_per_tensor, unpadded)
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import Rule, integer, number
 from dsdebug.distributed import collectives
 
 __all__ = ["WeightNorm", "decay_cause"]
@@ -96,18 +96,24 @@ class WeightNorm(DebugCallback):
     policy_note = "skip: the collapse is judged up to read_every_n_steps steps after the updates that made it"
     state_attrs = ("_first", "_prev", "_falling", "_named", "_decay_log", "_lowest", "_checks", "_counts")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(1),
+        "collapse_fraction": number(0, 1, open_low=True, open_high=True),
+        "patience": integer(1),
+        "share": number(0, 1),
+        "read_every_n_steps": integer(1),
+        "max_findings_per_code": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 1, collapse_fraction: float = 0.5, patience: int = 3,
                  share: float = 0.1, read_every_n_steps: int = 10, max_findings_per_code: int = 5,
                  on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(1)),
-            collapse_fraction=(collapse_fraction, number(0, 1, open_low=True, open_high=True)),
-            patience=(patience, integer(1)),
-            share=(share, number(0, 1)),
-            read_every_n_steps=(read_every_n_steps, integer(1)),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-        )
+        self.check_declared(every_n_steps=every_n_steps, collapse_fraction=collapse_fraction, patience=patience,
+                            share=share, read_every_n_steps=read_every_n_steps,
+                            max_findings_per_code=max_findings_per_code)
         self.every_n_steps, self.patience, self.read_every = int(every_n_steps), int(patience), int(read_every_n_steps)
         self.collapse_fraction, self.share = float(collapse_fraction), float(share)
         self.max_findings_per_code = int(max_findings_per_code)

@@ -63,7 +63,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -73,7 +73,7 @@ from dsdebug.callbacks.data_inspector.fingerprint import (dataset_samples, finge
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.data_inspector.batch_content import BatchContent
 from dsdebug.callbacks.grad_access import untrained_vocab
-from dsdebug.config.args import boolean, integer, number, optional, string
+from dsdebug.config.args import Rule, boolean, integer, number, optional, string
 from dsdebug.errors import ConfigError
 from dsdebug.findings import Finding
 from dsdebug.distributed import collectives
@@ -87,23 +87,31 @@ class DataInspector(DatasetChecks, DebugCallback):
     name = "data_inspector"
     state_attrs = ()  # first batch, data order and duplicate checks describe this process's data stream
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(1),
+        "show_sequences": integer(0),
+        "max_chars": integer(1),
+        "order_batches": integer(0),
+        "overlap_ngram": integer(0),
+        "overlap_max_tokens": integer(1),
+        "check_overlap": boolean(),
+        "check_batch_content": boolean(),
+        "overlap_warn_fraction": number(0, 1),
+        "compare_with": optional(string("latest, <run_dir>")),
+    }
+
     def __init__(self, every_n_steps: int = 10, show_sequences: int = 2, max_chars: int = 300,
                  order_batches: int = 32, compare_with: str | None = None, check_overlap: bool = True,
                  overlap_ngram: int = 32, overlap_warn_fraction: float = 0.01, overlap_max_tokens: int = 5_000_000,
                  check_batch_content: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(1)),
-            show_sequences=(show_sequences, integer(0)),
-            max_chars=(max_chars, integer(1)),
-            order_batches=(order_batches, integer(0)),
-            overlap_ngram=(overlap_ngram, integer(0)),
-            overlap_max_tokens=(overlap_max_tokens, integer(1)),
-            check_overlap=(check_overlap, boolean()),
-            check_batch_content=(check_batch_content, boolean()),
-            overlap_warn_fraction=(overlap_warn_fraction, number(0, 1)),
-            compare_with=(compare_with, optional(string("latest, <run_dir>"))),
-        )
+        self.check_declared(every_n_steps=every_n_steps, show_sequences=show_sequences, max_chars=max_chars,
+                            order_batches=order_batches, overlap_ngram=overlap_ngram,
+                            overlap_max_tokens=overlap_max_tokens, check_overlap=check_overlap,
+                            check_batch_content=check_batch_content, overlap_warn_fraction=overlap_warn_fraction,
+                            compare_with=compare_with)
         if compare_with not in (None, "latest") and not Path(compare_with).is_dir():
             raise ConfigError(f"callbacks.data_inspector.compare_with={compare_with!r}: no such run dir; valid: null, "
                               "latest, <run_dir>")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_checkpointing.saved_bytes import SavedBytes
-from dsdebug.config.args import boolean, integer
+from dsdebug.config.args import Rule, boolean, integer
 from dsdebug.models.grad_ckpt import checkpointed_blocks, checkpointing_suspended
 from dsdebug.models.moe_aux import find_routers
 
@@ -81,10 +81,17 @@ class GradCheckpointing(DebugCallback):
     policies = ("warn",)
     policy_note = "skip and stop would be decided on one rank alone"
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "check_steps": integer(1),
+        "routing": boolean(),
+        "memory": boolean(),
+    }
+
     def __init__(self, check_steps: int = 3, routing: bool = True, memory: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(check_steps=(check_steps, integer(1)), routing=(routing, boolean()),
-                        memory=(memory, boolean()))
+        self.check_declared(check_steps=check_steps, routing=routing, memory=memory)
         self.check_steps, self.routing, self.memory = check_steps, routing, memory
         self._handles: list[Any] = []
         self._phase: str | None = None  # "forward" | "backward" | None (validation, outside training steps)

@@ -9,12 +9,12 @@ import logging
 import math
 import statistics
 from collections import deque
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import torch
 
 from dsdebug.distributed import collectives
-from dsdebug.config.args import either, integer, number
+from dsdebug.config.args import Rule, either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import (_at_accumulation_boundary, display_name, grad_source, layer_of,
                                             local_grad, local_param, on_device, sumsq_per_tensor,
@@ -96,6 +96,24 @@ class LayerHealth(DebugCallback):
     state_attrs = ("_low_grad", "_low_update", "_seen", "_log_ema", "_exploding", "_closest", "_counts",
                    "_grad_checks", "_lost", "_lost_causes")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = no update ratios/metrics"),
+        "grad_every_n_steps": integer(1),
+        "vanish_ratio": number(0, 1, open_high=True, note="0 = off"),
+        "ratio_floor": number(0, 1, open_high=True, note="0 = off"),
+        "patience": integer(1),
+        "explode_factor": either(number(1, open_low=True), number(0, 0), valid="a number > 1 (0 = off)"),
+        "ema_beta": number(0, 1, open_low=True, open_high=True),
+        "warmup_steps": integer(1),
+        "max_findings_per_code": integer(1),
+        "read_every_n_steps": integer(1),
+        "early_ratio": number(0, 1, open_high=True, note="0 = off"),
+        "lost_ratio": number(0, 1, open_high=True, note="0 = off"),
+        "first_update_steps": integer(0),
+    }
+
     def __init__(self, every_n_steps: int = 10, grad_every_n_steps: int = 1, vanish_ratio: float = 1.0e-4,
                  ratio_floor: float = 1.0e-3, patience: int = 3, explode_factor: float = 10.0,
                  ema_beta: float = 0.9, warmup_steps: int = 50, max_findings_per_code: int = 5,
@@ -105,22 +123,11 @@ class LayerHealth(DebugCallback):
         self.read_every = read_every_n_steps
         # (step's [4 x layers], step, update?, nnz?, the layers' sum(numel x lr^2) when the update was measured)
         self._queue: list[tuple[torch.Tensor, int, bool, bool, list[float] | None]] = []
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(0, note="0 = no update ratios/metrics")),
-            grad_every_n_steps=(grad_every_n_steps, integer(1)),
-            vanish_ratio=(vanish_ratio, number(0, 1, open_high=True, note="0 = off")),
-            ratio_floor=(ratio_floor, number(0, 1, open_high=True, note="0 = off")),
-            patience=(patience, integer(1)),
-            explode_factor=(explode_factor, either(number(1, open_low=True), number(0, 0),
-                                                   valid="a number > 1 (0 = off)")),
-            ema_beta=(ema_beta, number(0, 1, open_low=True, open_high=True)),
-            warmup_steps=(warmup_steps, integer(1)),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-            read_every_n_steps=(read_every_n_steps, integer(1)),
-            early_ratio=(early_ratio, number(0, 1, open_high=True, note="0 = off")),
-            lost_ratio=(lost_ratio, number(0, 1, open_high=True, note="0 = off")),
-            first_update_steps=(first_update_steps, integer(0)),
-        )
+        self.check_declared(every_n_steps=every_n_steps, grad_every_n_steps=grad_every_n_steps,
+                            vanish_ratio=vanish_ratio, ratio_floor=ratio_floor, patience=patience,
+                            explode_factor=explode_factor, ema_beta=ema_beta, warmup_steps=warmup_steps,
+                            max_findings_per_code=max_findings_per_code, read_every_n_steps=read_every_n_steps,
+                            early_ratio=early_ratio, lost_ratio=lost_ratio, first_update_steps=first_update_steps)
         self.lost_ratio, self.first_update_steps = float(lost_ratio), int(first_update_steps)
         self._expect = ExpectedStep()
         self._mapped = False

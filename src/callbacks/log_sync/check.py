@@ -7,12 +7,12 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.log_sync.timeline import STATS, append_records, write_merged
-from dsdebug.config.args import integer, number, one_of
+from dsdebug.config.args import Rule, integer, number, one_of
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.step_clock import StepClock
 from dsdebug.distributed.timing import CommTracker, register_ddp_hook
@@ -84,19 +84,25 @@ class LogSync(DebugCallback):
     state_attrs = ()  # straggler streaks name ranks of this job's hosts; the named-ranks set is rank 0's own
     runtime_attrs = ("buffer", "tracker")  # a log handler (with its lock) on this process's root logger
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(1),
+        "straggler_factor": number(1, open_low=True, finite=False),
+        "straggler_min_excess_s": number(0, note="seconds", finite=False),
+        "straggler_patience": integer(1),
+        "warmup_steps": integer(0),
+        "log_level": one_of("DEBUG", "INFO", "WARNING", "ERROR", any_case=True),
+        "max_lines_per_sync": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 10, straggler_factor: float = 1.3, straggler_min_excess_s: float = 0.05,
                  straggler_patience: int = 2, warmup_steps: int = 2, timeline: bool = True, log_level: str = "INFO",
                  max_lines_per_sync: int = 5000, finish_wandb_on_exception: bool = True, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(1)),
-            straggler_factor=(straggler_factor, number(1, open_low=True, finite=False)),
-            straggler_min_excess_s=(straggler_min_excess_s, number(0, note="seconds", finite=False)),
-            straggler_patience=(straggler_patience, integer(1)),
-            warmup_steps=(warmup_steps, integer(0)),
-            log_level=(log_level, one_of("DEBUG", "INFO", "WARNING", "ERROR", any_case=True)),
-            max_lines_per_sync=(max_lines_per_sync, integer(1)),
-        )
+        self.check_declared(every_n_steps=every_n_steps, straggler_factor=straggler_factor,
+                            straggler_min_excess_s=straggler_min_excess_s, straggler_patience=straggler_patience,
+                            warmup_steps=warmup_steps, log_level=log_level, max_lines_per_sync=max_lines_per_sync)
         self.every_n_steps, self.factor, self.min_excess_s = every_n_steps, float(straggler_factor), float(straggler_min_excess_s)
         self.timeline, self.log_level, self.max_lines = bool(timeline), str(log_level).upper(), max_lines_per_sync
         self.patience, self.finish_wandb = straggler_patience, bool(finish_wandb_on_exception)

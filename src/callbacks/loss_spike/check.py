@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.checkpoint import rollback as rb
-from dsdebug.config.args import boolean, integer, number, one_of, optional
+from dsdebug.config.args import Rule, boolean, integer, number, one_of, optional
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks import isolation
 from dsdebug.callbacks.base import DebugCallback
@@ -99,29 +99,37 @@ class LossSpike(DebugCallback):
     name = "loss_spike"
     state_attrs = ("_rollbacks", "_in_row", "_counts", "_checked", "_largest")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "policy": one_of(*POLICIES),
+        "window": integer(5),
+        "warmup_steps": integer(5),
+        "z_threshold": number(0, open_low=True),
+        "min_rel_jump": number(0, open_low=True),
+        "use_grad_norm": boolean(),
+        "grad_ratio": number(1, open_low=True),
+        "max_rollbacks": integer(0),
+        "max_consecutive_skips": integer(1),
+        "max_findings_per_code": integer(1),
+        "prior_margin": number(0, note="0 = off"),
+        "early_min_steps": integer(1),
+        "early_jump": number(0, open_low=True),
+        "read_every_n_steps": optional(integer(1), "auto: 10 with policy=warn, 1 with skip or rollback"),
+    }
+
     def __init__(self, policy: str = "warn", window: int = 50, warmup_steps: int = 20, z_threshold: float = 6.0,
                  min_rel_jump: float = 0.25, use_grad_norm: bool = True, grad_ratio: float = 3.0,
                  max_rollbacks: int = 3, max_consecutive_skips: int = 10, max_findings_per_code: int = 5,
                  prior_margin: float = 0.5, early_min_steps: int = 3, early_jump: float = 1.0,
                  read_every_n_steps: int | None = None) -> None:
         super().__init__(on_error="warn")
-        self.check_args(
-            policy=(policy, one_of(*POLICIES)),
-            window=(window, integer(5)),
-            warmup_steps=(warmup_steps, integer(5)),
-            z_threshold=(z_threshold, number(0, open_low=True)),
-            min_rel_jump=(min_rel_jump, number(0, open_low=True)),
-            use_grad_norm=(use_grad_norm, boolean()),
-            grad_ratio=(grad_ratio, number(1, open_low=True)),
-            max_rollbacks=(max_rollbacks, integer(0)),
-            max_consecutive_skips=(max_consecutive_skips, integer(1)),
-            max_findings_per_code=(max_findings_per_code, integer(1)),
-            prior_margin=(prior_margin, number(0, note="0 = off")),
-            early_min_steps=(early_min_steps, integer(1)),
-            early_jump=(early_jump, number(0, open_low=True)),
-            read_every_n_steps=(read_every_n_steps, optional(integer(1), "auto: 10 with policy=warn, 1 with skip "
-                                                                          "or rollback")),
-        )
+        self.check_declared(policy=policy, window=window, warmup_steps=warmup_steps, z_threshold=z_threshold,
+                            min_rel_jump=min_rel_jump, use_grad_norm=use_grad_norm, grad_ratio=grad_ratio,
+                            max_rollbacks=max_rollbacks, max_consecutive_skips=max_consecutive_skips,
+                            max_findings_per_code=max_findings_per_code, prior_margin=prior_margin,
+                            early_min_steps=early_min_steps, early_jump=early_jump,
+                            read_every_n_steps=read_every_n_steps)
         if policy != "warn" and read_every_n_steps not in (None, 1):
             raise ConfigError(f"callbacks.{self.name}.read_every_n_steps={read_every_n_steps} does not work with "
                               f"policy={policy}: it acts before each update, so it reads every step; valid: 1 or null "

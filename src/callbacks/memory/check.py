@@ -9,12 +9,12 @@ import logging
 import math
 import resource
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.distributed import collectives
-from dsdebug.config.args import either, integer, number
+from dsdebug.config.args import Rule, either, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import is_out_of_memory
 from dsdebug.models.model_states import bytes_per_param, held_bytes, layout_of
@@ -85,20 +85,26 @@ class MemoryMonitor(DebugCallback):
     name = "memory"
     state_attrs = ()  # per-rank memory (RSS/allocated samples, leak flag) and this process's model states
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = no sampling"),
+        "warmup_steps": integer(0),
+        "growth_window": integer(3),
+        "growth_mb_per_step": number(0, open_low=True),
+        "growth_min_share": number(0, 1),
+        "check_states_at_step": either(integer(1), integer(-1, -1),
+                                       valid="an int >= 1, or -1 = off (Adam states exist after the first update)"),
+        "states_tolerance": number(0),
+    }
+
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 20, growth_window: int = 50,
                  growth_mb_per_step: float = 1.0, growth_min_share: float = 0.5, check_states_at_step: int = 1,
                  states_tolerance: float = 0.1, on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(0, note="0 = no sampling")),
-            warmup_steps=(warmup_steps, integer(0)),
-            growth_window=(growth_window, integer(3)),
-            growth_mb_per_step=(growth_mb_per_step, number(0, open_low=True)),
-            growth_min_share=(growth_min_share, number(0, 1)),
-            check_states_at_step=(check_states_at_step, either(integer(1), integer(-1, -1), valid=(
-                "an int >= 1, or -1 = off (Adam states exist after the first update)"))),
-            states_tolerance=(states_tolerance, number(0)),
-        )
+        self.check_declared(every_n_steps=every_n_steps, warmup_steps=warmup_steps, growth_window=growth_window,
+                            growth_mb_per_step=growth_mb_per_step, growth_min_share=growth_min_share,
+                            check_states_at_step=check_states_at_step, states_tolerance=states_tolerance)
         self.every_n_steps, self.warmup_steps, self.growth_window = every_n_steps, warmup_steps, growth_window
         self.growth_mb_per_step, self.growth_min_share = float(growth_mb_per_step), float(growth_min_share)
         self.check_states_at_step, self.states_tolerance = check_states_at_step, float(states_tolerance)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.loss_scale import ScalerReader, read_scaler
 from dsdebug.callbacks.mixed_precision.underflow import FP16_TINY, subnormal_fraction
-from dsdebug.config.args import integer, number
+from dsdebug.config.args import Rule, integer, number
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name, grad_source, local_grad
 from dsdebug.findings import Finding
@@ -96,22 +96,29 @@ class MixedPrecisionCheck(DebugCallback):
     state_attrs = ("streak", "skipped", "steps", "_recent", "_at_floor_reported", "_found", "search_skipped",
                    "search_scale")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = off"),
+        "streak_warn": integer(1),
+        "streak_error": integer(1),
+        "min_scale": number(0, open_low=True),
+        "window": integer(1),
+        "max_skip_fraction": number(0, 1, open_low=True),
+        "warmup_steps": integer(0),
+        "max_stale_fraction": number(0, 1, open_low=True),
+        "max_subnormal_fraction": number(0, 1, open_low=True),
+    }
+
     def __init__(self, every_n_steps: int = 50, streak_warn: int = 4, streak_error: int = 10,
                  min_scale: float = 1.0, window: int = 100, max_skip_fraction: float = 0.05,
                  warmup_steps: int = 50, max_stale_fraction: float = 0.5, max_subnormal_fraction: float = 0.1,
                  on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(
-            every_n_steps=(every_n_steps, integer(0, note="0 = off")),
-            streak_warn=(streak_warn, integer(1)),
-            streak_error=(streak_error, integer(1)),
-            min_scale=(min_scale, number(0, open_low=True)),
-            window=(window, integer(1)),
-            max_skip_fraction=(max_skip_fraction, number(0, 1, open_low=True)),
-            warmup_steps=(warmup_steps, integer(0)),
-            max_stale_fraction=(max_stale_fraction, number(0, 1, open_low=True)),
-            max_subnormal_fraction=(max_subnormal_fraction, number(0, 1, open_low=True)),
-        )
+        self.check_declared(every_n_steps=every_n_steps, streak_warn=streak_warn, streak_error=streak_error,
+                            min_scale=min_scale, window=window, max_skip_fraction=max_skip_fraction,
+                            warmup_steps=warmup_steps, max_stale_fraction=max_stale_fraction,
+                            max_subnormal_fraction=max_subnormal_fraction)
         self.check_args(streak_error=(streak_error, integer(streak_warn, note="streak_warn")))
         self.every_n_steps, self.streak_warn, self.streak_error = every_n_steps, streak_warn, streak_error
         self.min_scale, self.window, self.max_skip_fraction = float(min_scale), window, float(max_skip_fraction)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from dsdebug.config.args import boolean, integer
+from dsdebug.config.args import Rule, boolean, integer
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import _at_accumulation_boundary, display_name
 from dsdebug.callbacks.replica_parity.checksums import _fp64, _scalar, checksums, divergent
@@ -107,11 +107,18 @@ class ReplicaParity(DebugCallback):
     policy_note = "skip: skipping one update does not bring replicas back together"
     state_attrs = ("_state", "_counts", "_checks")
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "every_n_steps": integer(0, note="0 = only the first step and the end"),
+        "buffers": boolean(),
+        "max_findings_per_code": integer(1),
+    }
+
     def __init__(self, every_n_steps: int = 50, buffers: bool = True, max_findings_per_code: int = 5,
                  on_error: str = "warn") -> None:
         super().__init__(on_error=on_error)
-        self.check_args(every_n_steps=(every_n_steps, integer(0, note="0 = only the first step and the end")),
-                        buffers=(buffers, boolean()), max_findings_per_code=(max_findings_per_code, integer(1)))
+        self.check_declared(every_n_steps=every_n_steps, buffers=buffers, max_findings_per_code=max_findings_per_code)
         self.every_n_steps, self.buffers, self.max_findings = every_n_steps, buffers, max_findings_per_code
         self.run_config: Any = None
         self._entries: list[tuple[str, str, Callable[[], torch.Tensor]]] = []

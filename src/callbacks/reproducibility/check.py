@@ -11,12 +11,12 @@ import os
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.distributed import collectives
-from dsdebug.config.args import boolean, integer, one_of, optional
+from dsdebug.config.args import Rule, boolean, integer, one_of, optional
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.errors import ConfigError
 from dsdebug.callbacks.reproducibility.replay import (
@@ -103,22 +103,29 @@ class Reproducibility(DebugCallback):
     state_attrs = ()  # flags, records and the replay check belong to this process
     runtime_attrs = ("_trainer", "_orig_showwarning")  # set again in setup
 
+    #: argument rules, declared: the config layer reads them before the check is built
+    #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
+    arg_rules: ClassVar[dict[str, Rule]] = {
+        "seed": optional(integer(0, 2 ** 32 - 1), "the run's seed"),
+        "hash_seed": integer(0, 2 ** 32 - 1),
+        "replay_steps": integer(0, 2 ** 32 - 1),
+        "sample_size": integer(1, 2 ** 32 - 1),
+        "deterministic": boolean(),
+        "force_deterministic": boolean(),
+        "warn_only": boolean(),
+        "fill_uninitialized_memory": optional(boolean(), "auto"),
+        "cublas_workspace_config": one_of(*CUBLAS_CONFIGS),
+    }
+
     def __init__(self, seed: int | None = None, hash_seed: int = 0, deterministic: bool = True, warn_only: bool = True,
                  cublas_workspace_config: str = ":4096:8", fill_uninitialized_memory: bool | None = None,
                  replay_steps: int = 2, sample_size: int = 4096, force_deterministic: bool = False,
                  on_error: str = "warn") -> None:
         super().__init__(on_error)
-        self.check_args(
-            seed=(seed, optional(integer(0, 2**32 - 1), "the run's seed")),
-            hash_seed=(hash_seed, integer(0, 2**32 - 1)),
-            replay_steps=(replay_steps, integer(0, 2**32 - 1)),
-            sample_size=(sample_size, integer(1, 2**32 - 1)),
-            deterministic=(deterministic, boolean()),
-            force_deterministic=(force_deterministic, boolean()),
-            warn_only=(warn_only, boolean()),
-            fill_uninitialized_memory=(fill_uninitialized_memory, optional(boolean(), "auto")),
-            cublas_workspace_config=(cublas_workspace_config, one_of(*CUBLAS_CONFIGS)),
-        )
+        self.check_declared(seed=seed, hash_seed=hash_seed, replay_steps=replay_steps, sample_size=sample_size,
+                            deterministic=deterministic, force_deterministic=force_deterministic, warn_only=warn_only,
+                            fill_uninitialized_memory=fill_uninitialized_memory,
+                            cublas_workspace_config=cublas_workspace_config)
         if fill_uninitialized_memory and not deterministic:
             raise ConfigError("callbacks.reproducibility.fill_uninitialized_memory=true does nothing with "
                               "callbacks.reproducibility.deterministic=false (PyTorch fills only in deterministic "
