@@ -17,6 +17,9 @@ Parameters DeepSpeed's engine chokes on (param_layout.py): a 0-dim or non-contig
 through ``deepspeed.initialize`` (`EngineLayout`), one it cannot hold is refused before it starts
 (`check_params`); under DDP a parameter without a gradient is named in one line (`on_exception`).
 
+A check's ``on_error=skip`` drops one update through the strategy, which knows its engine's internals:
+``skip_update`` (skip_step.py).
+
 Both strategies launch child ranks with `HydraAwareLauncher` (see launcher.py).
 """
 
@@ -34,6 +37,7 @@ from dsdebug.config.ds_auto import resolve_auto_values
 from dsdebug.config.ds_config import load_ds_config
 from dsdebug.distributed.launcher import HydraLauncherMixin
 from dsdebug.errors import ConfigError
+from dsdebug.trainer.skip_step import arm_skip
 from dsdebug.trainer.param_layout import EngineLayout, refuse_unheld, unused_parameter_error
 from dsdebug.trainer.comm_options import (ZERO_PLUS_PLUS, build_ddp_hook, check_ddp_options, check_ds_options, ds_comm_setting,
                                           report_comm_setting)
@@ -92,6 +96,10 @@ class DebugDDPStrategy(HydraLauncherMixin, DDPStrategy):
         self._ddp_options = {k: kwargs[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
                              if k in kwargs}
         super().__init__(**kwargs)
+
+    def skip_update(self, optimizer: Any) -> Any:
+        """Drop the coming optimizer update (a check's ``on_error=skip``): skip_step.py; returns the undo."""
+        return arm_skip(self.lightning_module.trainer, optimizer)
 
     def on_exception(self, exception: BaseException) -> None:
         # read torch's message before Lightning replaces it with its generic hint
@@ -162,6 +170,11 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
         trainer's clipping); the engine setup again, for a plain Lightning script."""
         precision = getattr(getattr(self, "precision_plugin", None), "precision", None)
         refuse_unheld(module, self.config, precision, gradient_clip_val)
+
+    def skip_update(self, optimizer: Any) -> Any:
+        """Drop the coming update through DeepSpeed's own overflow path (skip_step.py); returns the undo, or None
+        before the accumulation boundary (the request waits for it)."""
+        return arm_skip(self.lightning_module.trainer, optimizer)
 
     def setup_environment(self) -> None:
         if self._on_cuda:

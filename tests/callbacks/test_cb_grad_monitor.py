@@ -41,6 +41,7 @@ def test_layers_are_blocks_or_modules():
 
 def test_plain_optimizer_skip_leaves_weights_and_adam_state_untouched():
     from dsdebug.models.lm_module import _arm_skip
+    from dsdebug.trainer.skip_step import arm_skip
 
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)
@@ -48,11 +49,14 @@ def test_plain_optimizer_skip_leaves_weights_and_adam_state_untouched():
     opt.step()
     weights, state = p.detach().clone(), copy.deepcopy(opt.state[p])
     p.grad = torch.full((4,), 1e6)
-    undo = _arm_skip(SimpleNamespace(strategy=object(), global_step=1), opt)
-    opt.step()
-    undo()
-    assert torch.equal(p.detach(), weights)
-    assert all(torch.equal(state[k], opt.state[p][k]) for k in state)
+    for trainer in (SimpleNamespace(strategy=object(), global_step=1),  # Lightning's own strategies: the module
+                    SimpleNamespace(strategy=object(), global_step=1, global_rank=0)):  # ... and our DDP's way
+        p.grad = torch.full((4,), 1e6)
+        undo = _arm_skip(trainer, opt) if not hasattr(trainer, "global_rank") else arm_skip(trainer, opt)
+        opt.step()
+        undo()
+        assert torch.equal(p.detach(), weights)
+        assert all(torch.equal(state[k], opt.state[p][k]) for k in state)
 
 
 def test_zero2_nan_explosion_spike_vanishing_named_and_skipped(tmp_path_factory, shared_cache):
