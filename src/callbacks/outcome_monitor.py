@@ -15,10 +15,9 @@ import torch
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.callbacks.grad_access import step_loss, untrained_vocab
 from dsdebug.config.args import Rule, boolean, integer, number
-from dsdebug.probes.causality import causality
-from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
+from dsdebug.probes.on_the_run import first_rows, run_registered
+from dsdebug.probes.registry import PROBES, ProbeInputs, is_pretrained
 from dsdebug.probes.result import ProbeResult
-from dsdebug.probes.train_eval import train_eval
 from dsdebug.distributed import collectives
 
 __all__ = ["OutcomeMonitor"]
@@ -106,8 +105,7 @@ class OutcomeMonitor(DebugCallback):
         net = getattr(pl_module, "net", None)
         # pretrained weights (from_pretrained sets name_or_path) start far below ln(vocab), and a fine-tune
         # may end below its tenth: the untrained model's loss is no yardstick for them
-        pretrained = bool(getattr(net, "name_or_path", "") or getattr(getattr(net, "config", None), "_name_or_path", ""))
-        self.prior = math.log(vocab) if vocab and vocab > 1 and not pretrained else None
+        self.prior = math.log(vocab) if vocab and vocab > 1 and not is_pretrained(net) else None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = step_loss(pl_module, outputs)  # this rank's; summed where it lives: no device sync
@@ -211,15 +209,10 @@ class OutcomeMonitor(DebugCallback):
         if not isinstance(net, torch.nn.Module) or batch is None:
             return  # alike on every rank: the same module class, a training batch on each
         batch = first_rows(batch, 2)  # the probe's forwards (and its module trace) on 2 rows, as preflight's
-        shifts = bool(getattr(pl_module, "shifts_labels", True))
-        calls = {"causality": lambda locate: causality(net, batch, shifts_labels=shifts, locate=locate),
-                 "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate)}
         any_rank = functools.partial(self.any_rank, trainer)
-        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))
-        if any_rank(batch["input_ids"].dim() < 2 or int(batch["input_ids"].shape[1]) < 2):  # COLLECTIVE
-            return  # a rank's sequences hold 1 token: the probes would skip there and not elsewhere
-        with untouched(net):
-            results = [probe_agreed(name, calls[name], any_rank, collective) for name in wanted]  # COLLECTIVE
+        inputs = ProbeInputs(net, batch, shifts_labels=bool(getattr(pl_module, "shifts_labels", True)), agree=any_rank)
+        wanted = [name for name in wanted if PROBES[name].on_the_spot]  # the same list on every rank
+        results = run_registered(wanted, inputs, any_rank, bool(getattr(trainer.strategy, "zero_stage_3", False)))
         for r in results:
             self._reported.append(f"{r.probe}_on_the_spot")
             if trainer.global_rank == 0:
@@ -231,7 +224,7 @@ class OutcomeMonitor(DebugCallback):
         if r.status == "fail":
             self.report(trainer, "error", code, f"the {r.probe} probe, run on the spot on the last training batch: "
                         f"{r.message}", r.advice, details, rank=None)
-        elif r.probe == "causality":
+        elif r.probe == "causality" and r.status == "pass":
             self.report(trainer, "info", code, f"the causality probe, run on the spot on the last training batch, "
                         f"passed: the net does not see the future and the labels are not among the inputs "
                         f"({r.message})", "then the low loss comes from the data: train/val overlap or repeated "

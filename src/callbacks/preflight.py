@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
 from dsdebug.config.args import Rule, boolean, integer, subset_of
-from dsdebug.probes.causality import causality
-from dsdebug.probes.init_loss import init_loss
-from dsdebug.probes.on_the_run import first_rows, probe_agreed, untouched
-from dsdebug.probes.plan import plan_of_run
+from dsdebug.probes.on_the_run import first_rows, run_registered
 from dsdebug.probes.ranks import gather, merge
+from dsdebug.probes.registry import PROBES, ProbeInputs, is_pretrained
 from dsdebug.probes.result import ProbeResult
-from dsdebug.probes.sample_independence import sample_independence
-from dsdebug.probes.train_eval import dropout_off, train_eval
 
 __all__ = ["Preflight"]
 
@@ -74,7 +70,7 @@ class Preflight(DebugCallback):
     #: argument rules, declared: the config layer reads them before the check is built
     #: (config/check_args.json, written by python -m dsdebug.callbacks.arg_table)
     arg_rules: ClassVar[dict[str, Rule]] = {
-        "probes": subset_of("init_loss", "causality", "sample_independence", "train_eval", "plan"),
+        "probes": subset_of(*PROBES),
         "on_resume": boolean(),
         "samples": integer(2),
     }
@@ -119,39 +115,17 @@ class Preflight(DebugCallback):
 
     def run_probes(self, trainer: Any, pl_module: Any, net: torch.nn.Module, batch: dict,
                    resumed: bool) -> list[ProbeResult]:
-        """The probes on this rank, twice for the ones any rank failed (then with a module trace)."""
+        """The probes on this rank, twice for the ones any rank failed (then with a module trace): the registry's
+        (probes/registry.py), run by its harness (probes/on_the_run.py run_registered). COLLECTIVE."""
         full = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        any_rank = functools.partial(self.any_rank, trainer)
         # the first `samples` rows: each probe's forwards cost that share of the batch's; the plan reads the
         # whole batch (its size, the label fraction)
-        batch = first_rows(full, self.samples)
-        pretrained = bool(getattr(net, "name_or_path", "") or
-                          getattr(getattr(net, "config", None), "_name_or_path", ""))
-        calls: dict[str, Callable[[bool], ProbeResult]] = {
-            "init_loss": lambda locate: init_loss(net, batch, pretrained=pretrained, locate=locate),
-            "causality": lambda locate: causality(net, batch, shifts_labels=bool(getattr(pl_module, "shifts_labels",
-                                                                                        True)), locate=locate),
-            "sample_independence": lambda locate: _no_dropout(net, lambda: sample_independence(
-                net, batch, locate=locate, grads=False)),
-            "train_eval": lambda locate: train_eval(net, batch, copy_net=False, locate=locate, agree=any_rank),
-            "plan": lambda locate: plan_of_run(trainer, pl_module, full),
-        }
-        names = [n for n in self.probes if not (n == "init_loss" and resumed)]
-        any_rank = functools.partial(self.any_rank, trainer)
-        # a probe that skips on one rank (a batch of 1 row, a sequence of 1 token: token-budget batches vary
-        # per rank) would make fewer forwards there: decided together, before any forward (COLLECTIVE)
-        ids = batch["input_ids"]
-        skipped = {}
-        if "sample_independence" in names and any_rank(int(ids.shape[0]) < 2):
-            skipped["sample_independence"] = "a rank's batch has 1 row: nothing to compare it with"
-        if any_rank(ids.dim() < 2 or int(ids.shape[1]) < 2):
-            skipped.update({n: "a rank's sequences hold 1 token" for n in names if n != "plan"})
-        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))
-        out = []
-        with untouched(net):
-            for n in names:  # COLLECTIVE: the same calls, in the same order, on every rank
-                out.append(ProbeResult(n, "skip", skipped[n]) if n in skipped else
-                           probe_agreed(n, calls[n], any_rank, collective))
-        return out
+        inputs = ProbeInputs(net, first_rows(full, self.samples), full, pretrained=is_pretrained(net),
+                             shifts_labels=bool(getattr(pl_module, "shifts_labels", True)), trainer=trainer,
+                             pl_module=pl_module, agree=any_rank)
+        names = [n for n in self.probes if PROBES[n].after_resume or not resumed]
+        return run_registered(names, inputs, any_rank, bool(getattr(trainer.strategy, "zero_stage_3", False)))
 
     def _report(self, trainer: Any, seconds: float) -> None:
         if trainer.global_rank != 0:
@@ -166,8 +140,3 @@ class Preflight(DebugCallback):
                     details={"seconds": round(seconds, 3),
                              "probes": {r.probe: {"status": r.status, "seconds": r.seconds, "message": r.message}
                                         for r in self.results}}, rank=None, step=0)
-
-
-def _no_dropout(net: torch.nn.Module, fn: Callable[[], ProbeResult]) -> ProbeResult:
-    with dropout_off(net):
-        return fn()

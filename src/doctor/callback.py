@@ -21,9 +21,12 @@ Probes, in order (docs/debugging.md "Preflight doctor"):
 | checkpoint (+ overfit between save and load) | the strategy's save/load and steps (COLLECTIVE) | ``doctor/checkpoint``, ``doctor/overfit`` |
 
 Severity: fail -> error, warn -> warning, pass/skip -> info. Every rank runs every probe in the same
-order (the collective ones included); a local probe that raises becomes a fail naming the exception; a
-collective one (collectives, coverage, checkpoint, the ZeRO-3 gather) is logged and raised: a rank that left it
-half-way would hang the others.
+order (the collective ones included). The probes on a net and a batch are the registry's
+(probes/registry.py, shared with the run's preflight and outcome_monitor checks), and every probe is
+run under the one rule of probes/on_the_run.py ``guarded``: one that raises is a skip naming the
+exception (the probes that step through the strategy meet an error of the net's own and fail); a
+collective one (collectives, coverage, checkpoint, the ZeRO-3 gather) is logged and raised: a rank that
+left it half-way would hang the others.
 """
 
 from __future__ import annotations
@@ -40,26 +43,26 @@ from typing import Any, Callable
 import torch
 
 from dsdebug.callbacks.base import DebugCallback
-from dsdebug.probes.causality import causality
 from dsdebug.doctor.checkpoint import checkpoint_round_trip
 from dsdebug.doctor.collectives import collectives
 from dsdebug.doctor.coverage import coverage
-from dsdebug.probes.init_loss import init_loss
 from dsdebug.doctor.memory import device_bytes, forecast, model_states
 from dsdebug.doctor.overfit import overfit
-from dsdebug.probes.plan import plan_of_run
-from dsdebug.probes.ranks import gather, merge
-from dsdebug.probes.result import ProbeResult, timed
-from dsdebug.probes.sample_independence import sample_independence
 from dsdebug.doctor.stepper import StrategyStepper
-from dsdebug.probes.train_eval import train_eval, without_dropout
+from dsdebug.probes.on_the_run import guarded
+from dsdebug.probes.ranks import gather, merge
+from dsdebug.probes.registry import PROBES, ProbeInputs, is_pretrained
+from dsdebug.probes.result import ProbeResult
+from dsdebug.probes.train_eval import without_dropout
 
-__all__ = ["DoctorCallback", "ORDER"]
+__all__ = ["DoctorCallback", "LOCAL", "ORDER"]
 
 log = logging.getLogger(__name__)
 
-ORDER = ("collectives", "init_loss", "causality", "sample_independence", "train_eval", "coverage", "plan", "memory",
-         "overfit", "checkpoint")
+# the registry's probes on the net's local copy, in the registry's order; the plan runs after coverage (it reads
+# the gradient norm that step measured)
+LOCAL = tuple(name for name in PROBES if name != "plan")
+ORDER = ("collectives", *LOCAL, "coverage", "plan", "memory", "overfit", "checkpoint")
 
 
 class DoctorCallback(DebugCallback):
@@ -102,20 +105,21 @@ class DoctorCallback(DebugCallback):
         """Every probe, in ORDER, on this rank. COLLECTIVE (every rank, same order)."""
         stepper = StrategyStepper(trainer, pl_module)
         batch = self._batch(trainer)
-        out: list[ProbeResult] = [_guard("collectives", collectives, collective=True)]
+        out: list[ProbeResult] = [guarded("collectives", collectives, collective=True)]
         net = _guard_value(lambda: self._local_net(pl_module, stepper), collective=stepper.stage == 3)  # COLLECTIVE under ZeRO-3
-        shifts = bool(getattr(pl_module, "shifts_labels", True))
-        for name, fn in (("init_loss", lambda: init_loss(net, batch, pretrained=self.pretrained)),
-                         ("causality", lambda: causality(net, batch, shifts_labels=shifts)),
-                         ("sample_independence", lambda: sample_independence(net, batch)),
-                         ("train_eval", lambda: train_eval(net, batch, copy_net=False))):
+        # the registry's probes (probes/registry.py) on this rank's own copy: local, traced, thorough
+        inputs = ProbeInputs(net, batch, batch, pretrained=self.pretrained or is_pretrained(net),
+                             shifts_labels=bool(getattr(pl_module, "shifts_labels", True)), thorough=True,
+                             trainer=trainer, pl_module=pl_module)
+        for name in LOCAL:
             out.append(ProbeResult(name, "skip", "no local copy of the net (ZeRO-3 without a net factory)")
-                       if net is None else _guard(name, fn))
-        net = None  # the local copy is not needed past these probes
+                       if net is None else guarded(name, lambda name=name: PROBES[name].call(inputs, True)))
+        inputs.net = net = None  # the local copy is not needed past these probes
         cov, info = _guard_pair("coverage", lambda: coverage(stepper, batch), collective=True)
         out.append(cov)
-        out.append(_guard("plan", lambda: self._plan(trainer, pl_module, stepper, batch, info)))
-        out.append(_guard("memory", lambda: self._memory(trainer, pl_module, stepper)))
+        inputs.plan_args = self._plan_args(trainer, pl_module, stepper, batch, info)
+        out.append(guarded("plan", lambda: PROBES["plan"].call(inputs, True)))
+        out.append(guarded("memory", lambda: self._memory(trainer, pl_module, stepper)))
         failed_cov = cov.culprit if cov.failed else ""
         # one folder for every rank: rank 0's name, broadcast (COLLECTIVE; each rank's own temp name would
         # leave rank 1 loading a checkpoint it never wrote)
@@ -178,14 +182,16 @@ class DoctorCallback(DebugCallback):
             q.requires_grad_(p.requires_grad)
         return without_dropout(fresh.to(pl_module.device))
 
-    def _plan(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, batch: dict, info: Any) -> ProbeResult:
+    def _plan_args(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, batch: dict, info: Any) -> dict:
+        """What the doctor knows beyond a run's first batch, for the plan probe: the loader, the clip the strategy
+        applies, the gradient norm the coverage probe measured, the values adjusted against what was asked."""
         group = trainer.optimizers[0].param_groups[0]
         lr = float(group.get("initial_lr", group["lr"]))
         total = trainer.estimated_stepping_batches
         total = int(total) if total != float("inf") else int(trainer.max_steps if trainer.max_steps > 0 else 1000)
-        return plan_of_run(trainer, pl_module, batch, getattr(self, "_loader", None), stepper.gradient_clip(),
-                           info.grad_norm if info is not None else None,
-                           self._adjustments(trainer, pl_module, stepper, lr, total, batch))
+        return {"loader": getattr(self, "_loader", None), "clip": stepper.gradient_clip(),
+                "grad_norm": info.grad_norm if info is not None else None,
+                "adjustments": self._adjustments(trainer, pl_module, stepper, lr, total, batch)}
 
     def _adjustments(self, trainer: Any, pl_module: Any, stepper: StrategyStepper, lr: float, total: int,
                      batch: dict) -> list[tuple[str, str]]:
@@ -232,22 +238,6 @@ class DoctorCallback(DebugCallback):
 
 # ---- helpers: guarded probes, gathering ranks ----------------------------------------
 
-def _guard(name: str, fn: Callable[[], ProbeResult], collective: bool = False) -> ProbeResult:
-    """A probe that raises is a failed probe, not a crashed doctor -- unless it is ``collective``: a rank
-    that left a collective probe half-way would leave the others waiting in it (a hang), so the error is
-    logged with the probe's name and raised (the run would hit it in its first step too)."""
-    try:
-        return timed(fn)
-    except Exception as e:  # noqa: BLE001
-        if collective:
-            log.error("doctor: the %s probe raised %s on this rank; stopping (the other ranks are inside the same "
-                      "collective probe)", name, type(e).__name__)
-            raise
-        log.debug("doctor probe %s raised", name, exc_info=True)
-        return ProbeResult(name, "fail", f"the probe raised {type(e).__name__}: {' '.join(str(e).split())[:300]}",
-                           "<probe>", "fix the error above (it happens in the first step of a run too)")
-
-
 def _guard_pair(name: str, fn: Callable[[], tuple], collective: bool = False) -> tuple[ProbeResult, Any]:
     holder: list = []
 
@@ -256,7 +246,7 @@ def _guard_pair(name: str, fn: Callable[[], tuple], collective: bool = False) ->
         holder.append(extra)
         return result
 
-    result = _guard(name, run, collective)
+    result = guarded(name, run, collective)
     return result, (holder[0] if holder else None)
 
 

@@ -12,6 +12,8 @@ says it should.
 | train/eval consistency | ``train_eval`` | eval path computes something else than train (dropout off) |
 | the run's plan | ``plan`` | LR schedule never peaks, clipping shrinks every update, tiny dataset |
 
+``registry.PROBES`` is what the three harnesses (the doctor, ``preflight``, ``outcome_monitor``) read;
+``on_the_run`` runs a probe the one way they share (guarded, agreed across ranks, traced on a failure).
 ``tracing`` records every module's output so a probe names the first module where a property breaks;
 ``result.ProbeResult`` is what each returns (status, culprit, advice).
 """

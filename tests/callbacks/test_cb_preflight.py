@@ -172,8 +172,9 @@ def test_every_rank_makes_the_same_forwards_when_one_rank_has_a_one_row_batch():
         net = planted.TinyCausalLM(vocab_size=V)
         calls = []
         net.register_forward_hook(lambda *a: calls.append(1))
-        # the other rank's own answers to the agreed questions: "1 row?", "1 token?", then "probe failed?"
-        other = iter([rows == 2, False] + [False] * 8)
+        # the other rank's own answers to the agreed questions: "batch too small for it?" per probe (init_loss,
+        # causality, sample_independence, train_eval), then "probe failed?"
+        other = iter([False, False, rows == 2, False] + [False] * 8)
         strategy = SimpleNamespace(root_device=torch.device("cpu"),  # any_rank: a max-reduce of each rank's flag
                                    reduce=lambda t, reduce_op: torch.maximum(t, torch.tensor([float(next(other))])))
         trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=2)

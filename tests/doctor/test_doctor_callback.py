@@ -56,17 +56,32 @@ def test_a_frozen_embedding_left_out_of_the_checkpoint_is_named(tmp_path):
     assert result.status == "fail" and result.culprit == "embed.weight", result
 
 
-def test_a_local_probe_that_raises_fails_and_a_collective_one_is_raised():
-    """A rank leaving a collective probe half-way would leave the others waiting in it: raised, not
-    turned into a result (a local probe's error is a failed probe)."""
+def test_a_probe_that_raises_is_a_skip_in_every_harness_and_a_collective_one_is_raised(monkeypatch):
+    """One rule (probes/on_the_run.py guarded) for the doctor, preflight and outcome_monitor: a probe that raises
+    judged nothing (skip, naming the error); a rank leaving a collective probe half-way would leave the others
+    waiting in it: raised, not turned into a result. The other probes still run."""
     import pytest
+    import torch
 
-    from dsdebug.doctor.callback import _guard
+    import dsdebug.doctor.callback as doctor_callback
+    from dsdebug.probes import registry
+    from dsdebug.probes.on_the_run import guarded, run_registered
+    from tests.planted.data import HealthyTinyLM
 
     def boom():
         raise RuntimeError("planted")
 
-    local = _guard("causality", boom)
-    assert local.status == "fail" and "RuntimeError: planted" in local.message
+    local = guarded("causality", boom)
+    assert local.status == "skip" and "RuntimeError: planted" in local.message and local.culprit == "<probe>"
     with pytest.raises(RuntimeError, match="planted"):
-        _guard("coverage", boom, collective=True)
+        guarded("coverage", boom, collective=True)
+    assert not hasattr(doctor_callback, "_guard")  # the doctor has no rule of its own
+
+    monkeypatch.setitem(registry.PROBES, "causality", registry.Probe(
+        "causality", lambda inputs, locate: boom(), "planted"))
+    net = HealthyTinyLM()
+    batch = {"input_ids": torch.randint(0, 4096, (2, 8)), "labels": torch.randint(0, 4096, (2, 8))}
+    results = run_registered(["init_loss", "causality", "sample_independence"],
+                             registry.ProbeInputs(net, batch), any_rank=lambda flag: bool(flag))
+    assert [(r.probe, r.status) for r in results][1] == ("causality", "skip")
+    assert results[0].status in ("pass", "warn") and results[2].status == "pass", results
