@@ -24,7 +24,7 @@ Severity: fail -> error, warn -> warning, pass/skip -> info. Every rank runs eve
 order (the collective ones included). The probes on a net and a batch are the registry's
 (probes/registry.py, shared with the run's preflight and outcome_monitor checks), and every probe is
 run under the one rule of probes/on_the_run.py ``guarded``: one that raises is a skip naming the
-exception (the probes that step through the strategy meet an error of the net's own and fail); a
+exception (an error of the net's own is met again by the probes that step through the strategy); a
 collective one (collectives, coverage, checkpoint, the ZeRO-3 gather) is logged and raised: a rank that
 left it half-way would hang the others.
 """

@@ -10,8 +10,8 @@ makes the same forwards.
   same probes in the same order.
 - ``guarded(name, fn, collective)``: the one rule of every harness (the doctor, preflight,
   outcome_monitor): a probe that raises is a ``skip`` naming the error (it could not judge the property:
-  a check must not crash the run it checks, and the doctor's probes that step through the strategy meet
-  an error of the net's own) -- unless ``collective`` (ZeRO-3: each forward gathers parameters): a rank
+  a check must not crash the run it checks, and an error of the net's own is met again by the doctor's
+  probes that step through the strategy) -- unless ``collective`` (ZeRO-3: each forward gathers parameters): a rank
   that left the probe half-way would leave the others waiting in the next gather, so the error is raised
   (the run would meet it too).
 - A failure stays a failure: the traced rerun replaces it only with its own (culprit-naming) failure.
