@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     variants = args.variants.split(",")
     results: dict[str, Any] = {"cell": args.cell, "warmup": args.warmup, "window": args.window, "fits": []}
     before = None
-    # train.py applies malloc_tuning on every rank (dsdebug.trainer.cli.run); these fits come from
+    # train.py applies malloc_tuning on every rank (dsdebug.train.run); these fits come from
     # entry.build directly, so the worker applies it the same way (--override malloc_tuning=false: not)
     from dsdebug.trainer.allocator import tune_malloc
 

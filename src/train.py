@@ -1,5 +1,8 @@
 """The training command: ``dsdebug-train [group=option ...] [key=value ...]`` (installed), or
-``python train.py ...`` from a checkout, or ``python -m dsdebug.train ...`` — one Hydra CLI.
+``python train.py ...`` from a checkout (which only finds this package), or ``python -m dsdebug.train ...``
+— one Hydra CLI, and this is its one entry: ``main`` (the hash seed, startup signals, the composition
+precheck, ``@hydra.main``) and ``run``, the task function (sweep dispatch, prepare, train or the doctor,
+exit codes).
 
 compose (Hydra, conf/train.yaml) -> precheck -> prepare -> build -> fit -> export -> report.
 Examples: ``dsdebug-train strategy=zero3 trainer=ddp_sim``,
@@ -16,8 +19,9 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ENV_ENTRY", "config_dir", "main"]
+__all__ = ["ENV_ENTRY", "config_dir", "main", "run"]
 
 ENV_ENTRY = "DSDEBUG_ENTRY"  # the script a sweep job re-runs (submitit pickles the task function)
 
@@ -48,7 +52,7 @@ def main(entry: str | None = None) -> None:
 
         fail(str(missing_extra(e, "dsdebug-train / train.py") or e))
 
-    from dsdebug.trainer.cli import precheck_overrides, run
+    from dsdebug.trainer.cli import precheck_overrides
     from dsdebug.distributed.launch_env import detect
     from dsdebug.distributed.run_dir import main_argv
 
@@ -59,7 +63,7 @@ def main(entry: str | None = None) -> None:
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="train")
     def task(cfg):
         # a submitit job runs this function, pickled, under its own argv
-        return run(cfg, script=os.environ.get(ENV_ENTRY), train_fn=_doctor_if_asked(cfg))
+        return run(cfg, script=os.environ.get(ENV_ENTRY))
 
     sys.argv[1:] = main_argv()  # torchrun / srun / deepspeed: one run dir for every rank of the job
     # our own child ranks were started from a checked config; an external launcher's were not
@@ -69,18 +73,79 @@ def main(entry: str | None = None) -> None:
     task()
 
 
-def _doctor_if_asked(cfg):
+def _doctor_asked(cfg) -> bool:
     """``doctor=true``: the preflight doctor (src/doctor/) runs instead of training."""
     value = cfg.get("doctor", False)
-    if value is False or value is None:
-        return None
-    if value is not True:
+    if value is not True and value not in (False, None):
         from dsdebug.errors import fail
 
         fail(f"doctor={value!r} is invalid; valid: true, false")
-    from dsdebug.doctor.entry import doctor
+    return value is True
 
-    return doctor
+
+def run(cfg: Any, script: str | None = None) -> float | None:
+    """The Hydra task function: a multirun job is run in its own process tree (``script``: the
+    entry point to run it with; a submitit job process has submitit's argv); else prepare, then
+    ``trainer.entry.train`` -- or the preflight doctor (``doctor=true``, src/doctor/) -- with one line
+    and an exit code for every way it can end (trainer/cli.py classify)."""
+    import time
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from dsdebug.distributed import startup_signals
+    from dsdebug.errors import PreemptedAtStartup, fail
+    from dsdebug.trainer.cli import classify, record_crash, reported_a_death
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from dsdebug.distributed.sweep import run_job_in_subprocess
+
+        startup_signals.settle(())  # the sweep's own process: signals act as always (each job records its own)
+        return run_job_in_subprocess(cfg, script)
+    from dsdebug.config.prepare import prepare
+
+    from dsdebug.distributed.console import filter_known_warnings, quiet_console
+
+    filter_known_warnings()
+    started = time.time()
+    doctor = _doctor_asked(cfg)  # a bad value: one line, before anything is prepared
+    try:
+        plan = prepare(cfg)  # validates first, before the heavy imports: bad input fails in ~1 s
+        pre = cfg.get("preemption") or {}
+        startup_signals.settle(list(pre.get("signals", startup_signals.DEFAULT_SIGNALS)) if pre.get("enabled", True)
+                               else ())
+        startup_signals.stop_if_received("while the config was composed")
+        from dsdebug.trainer.entry import train
+
+        startup_signals.stop_if_received("while the training stack was imported")
+
+        if doctor:
+            from dsdebug.doctor.entry import doctor as train
+        quiet_console()  # after importing lightning: its import may add a console handler of its own
+        from dsdebug.trainer.allocator import tune_malloc
+
+        tune_malloc(cfg.get("malloc_tuning", True))  # every rank, before the model and data exist
+        metrics = train(plan)
+    except PreemptedAtStartup as e:  # before the first step: status preempted, exit 0, nothing to save
+        from dsdebug.checkpoint.startup_preemption import end_preempted_at_startup
+
+        end_preempted_at_startup(cfg, e, started)
+        return None
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
+        record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)
+        raise
+    except Exception as e:  # noqa: BLE001
+        status, code, message = classify(e)
+        record_crash(status, code, message or f"{type(e).__name__}: {e}", e)
+        if message is None:
+            raise
+        if status == "rank_died":
+            from dsdebug.distributed.liveness import ignore_sigterm_from_now
+
+            ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
+        fail(message, code=code, every_rank=status == "rank_died" and reported_a_death())
+    value = metrics.get(cfg.get("optimized_metric"))
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_deepspeed_strategy_without_deepspeed_names_the_extra(tmp_path):
     reqs = core_requirements() + [r for r in extra_requirements("train") if not r.startswith("deepspeed")]
     py = partial_venv(tmp_path / "venv", reqs)
     code = ("from omegaconf import OmegaConf\n"
-            "from dsdebug.config.instantiate import instantiate_section\n"
+            "from dsdebug.trainer.instantiate import instantiate_section\n"
             "from dsdebug.errors import ConfigError\n"
             f"cfg = OmegaConf.load({str(REPO / 'conf' / 'strategy' / 'zero2.yaml')!r})\n"
             "try:\n    instantiate_section(cfg, 'strategy')\n"

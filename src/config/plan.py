@@ -2,7 +2,7 @@
 
 ``prepare`` (config/prepare.py) validates the composed config, derives every value that follows from
 others into it, then makes it read-only and returns a :class:`RunPlan`: the typed derived values
-(world, per-rank and global batch, scaled LR, vocab, tokenizer, fused, the W&B sweep identity), the
+(world, per-rank and global batch, scaled LR, vocab, tokenizer, fused, the loggers' sweep identity), the
 composed config as the user asked for it, and every value that differs between the two with the
 reason (``adjustments``). Nothing writes the config after that: a write raises
 (``omegaconf.errors.ReadonlyConfigError``). A value only known later (a hub tokenizer's vocabulary,
@@ -70,7 +70,7 @@ class RunPlan:
     vocab_size: int | None
     tokenizer: str | None
     fused: Any
-    logger_identity: dict = field(default_factory=dict)  # {"group", "name"} for W&B in a sweep job; {} else
+    logger_arguments: dict = field(default_factory=dict)  # per logger: a sweep job's W&B group/name the user left unset
     adjustments: tuple[Adjustment, ...] = ()
 
     def used(self, key: str) -> Any:
@@ -116,12 +116,9 @@ def plan_of(cfg: Any) -> RunPlan | None:
     return held[1] if held is not None and held[0]() is cfg else None
 
 
-def replace_plan(cfg: DictConfig, adjustment: Adjustment, **values: Any) -> RunPlan:
-    """A value known only after prepare (a hub tokenizer's vocabulary): the plan for ``cfg`` becomes a new
-    frozen plan with ``values`` and the adjustment recorded; the config itself stays as it was."""
-    plan = plan_of(cfg)
-    if plan is None:
-        raise RuntimeError("replace_plan needs a prepared config")
+def replace_plan(plan: RunPlan, adjustment: Adjustment, **values: Any) -> RunPlan:
+    """A value known only after prepare (a hub tokenizer's vocabulary): a new frozen plan with ``values`` and the
+    adjustment recorded, registered for the config in place of ``plan``; the config itself stays as it was."""
     kept = tuple(a for a in plan.adjustments if a.key != adjustment.key)
     return register_plan(dataclasses.replace(plan, adjustments=(*kept, adjustment), **values))
 

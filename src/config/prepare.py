@@ -10,7 +10,7 @@ Lightning starts by re-running the entry point with ``LOCAL_RANK`` set)::
                                                       into one line; validates nothing. Skipped in
                                                       our own child ranks (their parent checked).
       compose #2  @hydra.main                         the config the run uses
-      trainer/cli.py run(cfg)
+      src/train.py run(cfg)
         -m: distributed/sweep.py run_job_in_subprocess       each job = a fresh `train.py` process: it
                                                       runs this same path (no validation here)
         config/prepare.py prepare(cfg)                THIS: validate once, then every derivation
@@ -50,7 +50,7 @@ from dsdebug.config.tokenizer_check import settle_tokenizer
 from dsdebug.config.validate import fp16_supported, validate_config
 from dsdebug.models.optim import resolve_fused, scaled_lr
 
-__all__ = ["prepare", "is_prepared"]
+__all__ = ["is_prepared", "prepare", "sweep_logger_arguments"]
 
 
 def prepare(cfg: DictConfig) -> RunPlan:
@@ -77,8 +77,8 @@ def prepare(cfg: DictConfig) -> RunPlan:
                                                       (cfg.get("strategy") or {}).get("_target_"))
     from dsdebug.distributed.sweep import wandb_sweep_identity
 
-    identity = wandb_sweep_identity(cfg.paths.output_dir, str(cfg.get("task_name", "train"))) \
-        if (cfg.get("logger") or {}).get("wandb") is not None else None
+    identity = wandb_sweep_identity(str(cfg.paths.output_dir), str(cfg.get("task_name", "train"))) \
+        if (cfg.get("logger") or {}).get("wandb") is not None else None  # (only W&B groups a sweep's runs)
     OmegaConf.set_readonly(asked, True)
     OmegaConf.set_readonly(cfg, True)  # from here on a write raises (tests/config/test_plan.py)
     return register_plan(RunPlan(
@@ -87,7 +87,21 @@ def prepare(cfg: DictConfig) -> RunPlan:
         accumulate=int(cfg.trainer.accumulate_grad_batches), global_batch=int(global_batch),
         lr_asked=float(cfg.optim.lr), lr=float(cfg.optim.optimizer.lr), vocab_size=cfg.data.get("vocab_size"),
         tokenizer=cfg.data.get("tokenizer"), fused=cfg.optim.optimizer.get("fused"),
-        logger_identity=dict(identity or {}), adjustments=adjustments_between(asked, cfg)))
+        logger_arguments=sweep_logger_arguments(cfg, identity), adjustments=adjustments_between(asked, cfg)))
+
+
+def sweep_logger_arguments(cfg: DictConfig, identity: dict | None) -> dict[str, dict]:
+    """A multirun job's W&B ``group``/``name`` (``identity``: distributed/sweep.py wandb_sweep_identity) for what the
+    user left unset: the arguments the W&B logger is built with (the config is not written)."""
+    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
+    if wandb_cfg is None or not identity:
+        return {}
+    args = {}
+    if not wandb_cfg.get("group"):
+        args["group"] = identity["group"]
+    if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
+        args["name"] = identity["name"]
+    return {"wandb": args} if args else {}
 
 
 def is_prepared(cfg: DictConfig) -> bool:

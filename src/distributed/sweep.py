@@ -27,7 +27,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-__all__ = ["JOB_STATUS", "METRICS", "SweepSummary", "wandb_logger_arguments", "run_job_in_subprocess",
+__all__ = ["JOB_STATUS", "METRICS", "SweepSummary", "run_job_in_subprocess",
            "wandb_sweep_identity"]
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def run_job_in_subprocess(cfg: DictConfig, script: str | None = None) -> float:
     if rank == 0:
         log.info("job %s: %s", hc.job.num, " ".join(hc.overrides.task))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    # W&B groups the jobs of one sweep (wandb_logger_arguments below, from the run plan); Optuna writes no multirun.yaml
+    # W&B groups the jobs of one sweep (wandb_sweep_identity below; config/prepare.py sweep_logger_arguments); Optuna writes no multirun.yaml
     env["DSDEBUG_SWEEP_DIR"] = str(job_dir.parent)
     env["DSDEBUG_JOB_NUM"] = str(hc.job.num)
     if job is None:
@@ -143,17 +143,3 @@ def wandb_sweep_identity(run_dir: str | Path, task_name: str = "train") -> dict[
         return None
     group = f"{task_name}-{Path(sweep_dir).name}"
     return {"group": group, "name": f"{group}-{job}"}
-
-
-def wandb_logger_arguments(cfg: Any, identity: dict | None) -> dict[str, dict]:
-    """``logger.wandb.group``/``name`` for a multirun job (``identity``: the plan's sweep identity) unless the user
-    set them: the arguments the W&B logger is built with (the config is not written)."""
-    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
-    if wandb_cfg is None or not identity:
-        return {}
-    args = {}
-    if not wandb_cfg.get("group"):
-        args["group"] = identity["group"]
-    if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
-        args["name"] = identity["name"]
-    return {"wandb": args} if args else {}

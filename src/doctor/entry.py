@@ -24,7 +24,7 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from dsdebug.config.plan import RunPlan, plan_of
+from dsdebug.config.plan import RunPlan
 from dsdebug.distributed.liveness import watch_parent
 from dsdebug.doctor.callback import DoctorCallback
 from dsdebug.doctor.verdict import print_verdict, summary_line
@@ -32,25 +32,27 @@ from dsdebug.errors import StoppedByCheck
 from dsdebug.findings import Finding, configure_channel
 from dsdebug.findings.secrets import redact
 from dsdebug.report.finish import finish_run
-from dsdebug.trainer.entry import build, model_config
+from dsdebug.trainer.entry import bind_config, build, model_config
 
 __all__ = ["doctor"]
 
 log = logging.getLogger(__name__)
 
 
-def doctor(cfg: DictConfig) -> dict[str, Any]:
+def doctor(plan: RunPlan) -> dict[str, Any]:
+    """The probes instead of training, for the run plan ``dsdebug.config.prepare.prepare(cfg)`` returns."""
     started, cpu_started = time.time(), time.process_time()
-    plan = plan_of(cfg)
-    if plan is None:
-        raise RuntimeError("doctor(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
+    if not isinstance(plan, RunPlan):
+        raise RuntimeError("doctor(plan) needs the run plan that dsdebug.config.prepare.prepare(cfg) returns (a "
+                           f"prepared config), got {type(plan).__name__}")
+    cfg = plan.cfg
     watch_parent()
     output_dir = Path(cfg.paths.output_dir)
     configure_channel(output_dir)
     L.seed_everything(cfg.seed, workers=True)
     asked = _user_values(plan)
-    datamodule, module, trainer, _ = build(cfg, keep_callback=_keeps)
-    net_cfg = model_config(cfg)["net"]
+    datamodule, module, trainer, _, plan = build(plan, keep_callback=_keeps)
+    net_cfg = model_config(plan)["net"]
     pretrained = net_cfg.get("name_or_path") is not None
     callback = DoctorCallback(net_factory=lambda: hydra.utils.instantiate(net_cfg), pretrained=pretrained,
                               user_values=asked, workdir=output_dir / "doctor")
@@ -61,7 +63,8 @@ def doctor(cfg: DictConfig) -> dict[str, Any]:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = redact(OmegaConf.to_container(cfg, resolve=True))
         (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-        plan_of(cfg).write(output_dir)
+        plan.write(output_dir)
+    bind_config(trainer, plan)
     trainer.fit(module, datamodule=datamodule)
     results = callback.results
     failed = [r for r in results if r.failed]

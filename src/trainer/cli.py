@@ -1,4 +1,6 @@
-"""The command line around `train()`: one-line errors, exit codes, multirun dispatch.
+"""The command line's errors: the composition precheck (one line for a bad override), and what an exception
+that ended a run means (``classify``: status, exit code, one line) and leaves behind (``record_crash``:
+crash.json, the report). The entry that uses them: src/train.py.
 
 Exit codes: see dsdebug.errors (0 ok, 1 crashed or a failed sweep job, 2 bad input, 3 stopped by a check).
 """
@@ -8,14 +10,13 @@ from __future__ import annotations
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from dsdebug.errors import ConfigError, PreemptedAtStartup, fail, is_out_of_memory, missing_extra
+from dsdebug.errors import ConfigError, fail, is_out_of_memory, missing_extra
 from dsdebug.errors import is_rank_zero as _is_rank_zero
 
-__all__ = ["find_config_error", "precheck_overrides", "run"]
+__all__ = ["classify", "find_config_error", "precheck_overrides", "record_crash", "reported_a_death"]
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +178,14 @@ def _dead_rank(exc: BaseException) -> str | None:
     return local or peer_dead_message(exc)
 
 
-def _reported_a_death() -> bool:
+def reported_a_death() -> bool:
     """This rank wrote the rank_died finding (e.g. rank 1 when rank 0 died): it says so too."""
     from dsdebug.distributed.liveness import state
 
     return bool(state.reported)
 
 
-def _classify(e: Exception) -> tuple[str, int, str | None]:
+def classify(e: Exception) -> tuple[str, int, str | None]:
     """(status, exit code, one-line message; None = a bug: let the traceback out)."""
     if type(e).__name__ == "StoppedByCheck":
         return "stopped_by_check", e.exit_code, str(e)
@@ -214,7 +215,7 @@ def _classify(e: Exception) -> tuple[str, int, str | None]:
     return "crashed", 1, None
 
 
-def _record_crash(status: str, code: int, error: str, exc: BaseException) -> None:
+def record_crash(status: str, code: int, error: str, exc: BaseException) -> None:
     """Rank 0 leaves ``crash.json`` in the run dir, then the report of the failed run."""
     if not _is_rank_zero():
         return
@@ -238,61 +239,3 @@ def _record_crash(status: str, code: int, error: str, exc: BaseException) -> Non
         from dsdebug.report.finish import finish_run
 
         finish_run(run_dir)
-
-
-def run(cfg: Any, script: str | None = None, train_fn: Any = None) -> float | None:
-    """The Hydra task function: a multirun job is run in its own process tree (``script``: the
-    entry point to run it with; a submitit job process has submitit's argv). ``train_fn``: what
-    runs instead of ``trainer.entry.train`` (the preflight doctor, chosen by the entry above us)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from dsdebug.distributed import startup_signals
-
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        from dsdebug.distributed.sweep import run_job_in_subprocess
-
-        startup_signals.settle(())  # the sweep's own process: signals act as always (each job records its own)
-        return run_job_in_subprocess(cfg, script)
-    from dsdebug.config.prepare import prepare
-
-    from dsdebug.distributed.console import filter_known_warnings, quiet_console
-
-    filter_known_warnings()
-    started = time.time()
-    try:
-        prepare(cfg)  # validates first, before the heavy imports: bad input fails in ~1 s
-        pre = cfg.get("preemption") or {}
-        startup_signals.settle(list(pre.get("signals", startup_signals.DEFAULT_SIGNALS)) if pre.get("enabled", True)
-                               else ())
-        startup_signals.stop_if_received("while the config was composed")
-        from dsdebug.trainer.entry import train
-
-        startup_signals.stop_if_received("while the training stack was imported")
-
-        train = train_fn or train
-        quiet_console()  # after importing lightning: its import may add a console handler of its own
-        from dsdebug.trainer.allocator import tune_malloc
-
-        tune_malloc(cfg.get("malloc_tuning", True))  # every rank, before the model and data exist
-        metrics = train(cfg)
-    except PreemptedAtStartup as e:  # before the first step: status preempted, exit 0, nothing to save
-        from dsdebug.checkpoint.startup_preemption import end_preempted_at_startup
-
-        end_preempted_at_startup(cfg, e, started)
-        return None
-    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: Lightning turns it into sys.exit(1)
-        _record_crash("interrupted", 130, "interrupted (Ctrl-C / SIGINT)", e)
-        raise
-    except Exception as e:  # noqa: BLE001
-        status, code, message = _classify(e)
-        _record_crash(status, code, message or f"{type(e).__name__}: {e}", e)
-        if message is None:
-            raise
-        if status == "rank_died":
-            from dsdebug.distributed.liveness import ignore_sigterm_from_now
-
-            ignore_sigterm_from_now()  # the launcher's SIGTERM must not turn exit 1 into "killed by SIGTERM"
-        fail(message, code=code, every_rank=status == "rank_died" and _reported_a_death())
-    value = metrics.get(cfg.get("optimized_metric"))
-    return float(value) if isinstance(value, (int, float)) else None

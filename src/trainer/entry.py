@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import lightning as L
@@ -39,31 +39,43 @@ from dsdebug.distributed.rank_files import RankFiles
 from dsdebug.distributed.startup_signals import stop_if_received
 from dsdebug.checkpoint.reshard import enable_universal_loading, plan_resume
 from dsdebug.checkpoint.resume import check_resume_config, prepare_loggers, settle_run_dir
-from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
+from dsdebug.trainer.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_section
 from dsdebug.findings.secrets import redact
 from dsdebug.config.tokenizer_check import check_fits_model, check_vocab_size
-from dsdebug.config.plan import Adjustment, plan_of, replace_plan
+from dsdebug.config.plan import Adjustment, RunPlan, replace_plan
 
-__all__ = ["build", "model_config", "train"]
+__all__ = ["Built", "bind_config", "build", "model_config", "train"]
 
 log = logging.getLogger(__name__)
 
 
-def build(cfg: DictConfig, logger_arguments: dict[str, dict] | None = None,
-          keep_callback: Any = None) -> tuple[Any, Any, L.Trainer, FinalCheckpoint]:
-    """Data, model, callbacks, loggers, strategy and trainer from a prepared config (read-only: what a value
-    known only now changes goes into the run plan and into the arguments the objects are built with).
+def _the_plan(plan: Any, who: str) -> RunPlan:
+    if not isinstance(plan, RunPlan):
+        raise RuntimeError(f"{who} needs the run plan that dsdebug.config.prepare.prepare(cfg) returns (a prepared "
+                           f"config), got {type(plan).__name__}")
+    return plan
+
+
+class Built(NamedTuple):
+    datamodule: Any
+    module: Any
+    trainer: L.Trainer
+    final_ckpt: FinalCheckpoint
+    plan: RunPlan  # the plan the objects were built from (a new one when build learnt a value: the hub vocabulary)
+
+
+def build(plan: RunPlan, logger_arguments: dict[str, dict] | None = None,
+          keep_callback: Any = None) -> Built:
+    """Data, model, callbacks, loggers, strategy and trainer from the run plan (its config is read-only: what a
+    value known only now changes goes into a new plan and into the arguments the objects are built with).
     ``logger_arguments``: per logger, values over its config (a resume in place); ``keep_callback``: which of
-    ``callbacks`` to build (the doctor keeps the user's own)."""
-    plan = plan_of(cfg)
-    if plan is None:
-        raise RuntimeError("build(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
+    ``callbacks`` to build (the doctor keeps the user's own). The checks that compare the run's config across
+    ranks get it last, ``bind_config`` (before fit)."""
+    plan = _the_plan(plan, "build(plan)")
+    cfg = plan.cfg
     # callbacks first: they set env vars/flags (seeds, NCCL debug) before anything else exists,
     # and a bad callback value fails in ~1 s instead of after data and model are built
     callbacks = instantiate_callbacks(cfg.get("callbacks"), keep=keep_callback)
-    for callback in callbacks:  # checks that compare the run's config across ranks (consistency)
-        if hasattr(callback, "bind_config"):
-            callback.bind_config(cfg)
     datamodule = instantiate_section(cfg.data, "data")
     pretrained = getattr(datamodule, "pretrained", None)
     if pretrained is not None and datamodule.vocab_size != plan.vocab_size:
@@ -73,10 +85,10 @@ def build(cfg: DictConfig, logger_arguments: dict[str, dict] | None = None,
         if rank_zero_only.rank == 0:
             log.info("data.vocab_size=%s -> %d: it follows %s", cfg.data.vocab_size, datamodule.vocab_size,
                      pretrained.label)
-        replace_plan(cfg, Adjustment("data.vocab_size", cfg.data.vocab_size, datamodule.vocab_size,
-                                     f"follows {pretrained.label}, read when the data was built"),
-                     vocab_size=datamodule.vocab_size)
-    model_cfg = model_config(cfg)
+        plan = replace_plan(plan, Adjustment("data.vocab_size", cfg.data.vocab_size, datamodule.vocab_size,
+                                             f"follows {pretrained.label}, read when the data was built"),
+                            vocab_size=datamodule.vocab_size)
+    model_cfg = model_config(plan)
     model_cfg.pop("tokenizer", None)  # read by the data config (data.tokenizer), not a module argument
     module = instantiate_section(
         model_cfg, "model",
@@ -92,9 +104,7 @@ def build(cfg: DictConfig, logger_arguments: dict[str, dict] | None = None,
     # FinalStep first: its should_stop must be set before the other callbacks ask whether this step logs
     # RankFiles before LivenessCallback: its fit-end gather runs while a dead rank still ends the run
     callbacks = [FinalStep(), *callbacks, RankFiles(), LivenessCallback(), preemption, final_ckpt]
-    from dsdebug.distributed.sweep import wandb_logger_arguments
-
-    arguments = wandb_logger_arguments(cfg, plan.logger_identity)  # a sweep job: W&B group and name, unless set
+    arguments = {name: dict(args) for name, args in plan.logger_arguments.items()}  # a sweep job's W&B group/name
     for name, args in (logger_arguments or {}).items():
         arguments.setdefault(name, {}).update(args)
     loggers = instantiate_loggers(cfg.get("logger"), arguments)
@@ -108,15 +118,22 @@ def build(cfg: DictConfig, logger_arguments: dict[str, dict] | None = None,
     trainer = instantiate_section(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     if hasattr(trainer.strategy, "check_params"):  # a parameter the engine cannot hold: one line now, before any rank starts
         trainer.strategy.check_params(module, trainer.gradient_clip_val)
-    return datamodule, module, trainer, final_ckpt
+    return Built(datamodule, module, trainer, final_ckpt, plan)
 
 
-def model_config(cfg: DictConfig) -> dict[str, Any]:
+def bind_config(trainer: L.Trainer, plan: RunPlan) -> None:
+    """The checks that compare the run's config across ranks (consistency, replica_parity) get it: the last stop
+    of the config before fit."""
+    for callback in trainer.callbacks:
+        if hasattr(callback, "bind_config"):
+            callback.bind_config(plan.cfg)
+
+
+def model_config(plan: RunPlan) -> dict[str, Any]:
     """The ``model`` section resolved for the run: its ``${data.vocab_size}`` interpolations take the plan's
     vocabulary (a hub tokenizer's, when it differs from the config's)."""
-    plan = plan_of(cfg)
-    source = cfg
-    if plan is not None and plan.vocab_size is not None and plan.vocab_size != cfg.data.get("vocab_size"):
+    cfg = source = plan.cfg
+    if plan.vocab_size is not None and plan.vocab_size != cfg.data.get("vocab_size"):
         source = copy.deepcopy(cfg)
         OmegaConf.set_readonly(source, False)
         with open_dict(source):
@@ -143,40 +160,42 @@ def _check_vocab(module: Any, datamodule: Any, pretrained_net: bool) -> None:
         )
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """build -> fit -> export -> report for a config that ``dsdebug.config.prepare.prepare`` has
-    validated and completed (trainer/cli.py run calls it first; so does tests' train_in_process)."""
+def train(plan: RunPlan) -> dict[str, Any]:
+    """build -> fit -> export -> report for the run plan ``dsdebug.config.prepare.prepare(cfg)`` returns (src/train.py
+    run calls it first; so does tests' train_in_process)."""
     started = time.time()
-    if plan_of(cfg) is None:
-        raise RuntimeError("train(cfg) needs a prepared config: call dsdebug.config.prepare.prepare(cfg) first")
+    plan = _the_plan(plan, "train(plan)")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
-    set_strict((cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
+    set_strict((plan.cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
     try:
-        return _train(cfg, started)
+        return _train(plan, started)
     finally:
         set_strict(None)  # this run's setting ends with it (a later fit in this process: DSDEBUG_STRICT decides)
 
 
-def _train(cfg: DictConfig, started: float) -> dict[str, Any]:
+def _train(plan: RunPlan, started: float) -> dict[str, Any]:
+    cfg = plan.cfg
     output_dir = Path(cfg.paths.output_dir)
     channel = configure_channel(output_dir)  # every rank appends to <run_dir>/findings.jsonl
     # verify the checkpoint before anything is built: a corrupt one fails in ~1 s
     chosen = resolve_ckpt_path(cfg, output_dir)
-    ckpt_path, universal = plan_resume(cfg, chosen, output_dir, plan_of(cfg).world_size)
+    ckpt_path, universal = plan_resume(cfg, chosen, output_dir, plan.world_size)
     resume_step, logger_arguments = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
+    if rank_zero_only.rank == 0:
+        check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
     L.seed_everything(cfg.seed, workers=True)
-    datamodule, module, trainer, final_ckpt = build(cfg, logger_arguments)
+    datamodule, module, trainer, final_ckpt, plan = build(plan, logger_arguments)
     stop_if_received("while the model and data were built")  # a preemption signal so far: end here
     if universal:
         enable_universal_loading(trainer.strategy)
     dashboards = None
     if rank_zero_only.rank == 0:
-        check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
         # after the refusal point: a refused attempt must leave no dashboard files behind
         dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
         _print_header(cfg, output_dir, module)
         settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
-        _write_config(cfg, output_dir, trainer)
+        _write_config(plan, output_dir, trainer)
+    bind_config(trainer, plan)  # the config's last stop before fit: the checks that compare it across ranks
     # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
     # only, no code; DeepSpeed loads its own shards (weights_only=False inside DeepSpeed)
     fit_started = time.time()
@@ -195,7 +214,7 @@ def _train(cfg: DictConfig, started: float) -> dict[str, Any]:
         metrics["status"] = "preempted"
     if trainer.is_global_zero:
         if final_ckpt.path is not None and (cfg.export.fp32 or cfg.export.hf) and not preempted:
-            net_cfg = model_config(cfg)["net"]
+            net_cfg = model_config(plan)["net"]
             net_factory = lambda: hydra.utils.instantiate(net_cfg)  # noqa: E731
             pretrained = getattr(datamodule, "pretrained", None)
             metrics["exports"] = export_final(
@@ -239,11 +258,11 @@ def _print_header(cfg: DictConfig, output_dir: Path, module: Any = None) -> None
             log.info("debug: %s %s", name, knobs)
 
 
-def _write_config(cfg: DictConfig, output_dir: Path, trainer: L.Trainer) -> None:
+def _write_config(plan: RunPlan, output_dir: Path, trainer: L.Trainer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+    resolved = redact(OmegaConf.to_container(plan.cfg, resolve=True))
     (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    plan_of(cfg).write(output_dir)  # run_plan.json: the derived values, and what prepare changed and why
+    plan.write(output_dir)  # run_plan.json: the derived values, and what prepare changed and why
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved)
 

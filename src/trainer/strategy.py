@@ -129,7 +129,7 @@ class DebugDeepSpeedStrategy(HydraLauncherMixin, DeepSpeedStrategy):
     except that HF-style ``"auto"`` values are resolved from the trainer/model at setup.
     """
 
-    OPTIONS = ("communication_data_type", *ZERO_PLUS_PLUS)  # ours, taken from **kwargs (config/instantiate.py lists them)
+    OPTIONS = ("communication_data_type", *ZERO_PLUS_PLUS)  # ours, taken from **kwargs (trainer/instantiate.py lists them)
 
     def __init__(self, config: str | dict | None = None, **kwargs: Any) -> None:
         import importlib.util

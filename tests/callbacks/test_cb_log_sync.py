@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from dsdebug.callbacks.log_sync import LogSync
-from dsdebug.distributed.sweep import wandb_logger_arguments, wandb_sweep_identity
+from dsdebug.config.prepare import sweep_logger_arguments
+from dsdebug.distributed.sweep import wandb_sweep_identity
 from dsdebug.errors import ConfigError
 from tests.helpers.runs import SMOKE, TINY_NET, only_run_dir, run_train
 from tests.helpers.findings import csv_column, read_findings, wandb_records
@@ -36,11 +37,11 @@ def test_multirun_job_gets_wandb_group_and_name_from_the_sweep(tmp_path, monkeyp
     cfg = OmegaConf.create({"task_name": "train", "paths": {"output_dir": str(sweep / "3")},
                             "logger": {"wandb": {"group": "", "name": "train"}}})
     identity = wandb_sweep_identity(sweep / "3")
-    assert wandb_logger_arguments(cfg, identity) == {"wandb": {"group": "train-2026-01-01_00-00-00",
+    assert sweep_logger_arguments(cfg, identity) == {"wandb": {"group": "train-2026-01-01_00-00-00",
                                                                "name": "train-2026-01-01_00-00-00-3"}}
     cfg.logger.wandb.group, cfg.logger.wandb.name = "mine", "my-run"  # the user's choice wins
-    assert wandb_logger_arguments(cfg, identity) == {}
-    assert wandb_logger_arguments(cfg, None) == {}  # not a sweep job
+    assert sweep_logger_arguments(cfg, identity) == {}
+    assert sweep_logger_arguments(cfg, None) == {}  # not a sweep job
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])

@@ -17,7 +17,7 @@ import dsdebug.callbacks as callbacks
 from dsdebug.callbacks.arg_table import build_table, render
 from dsdebug.config.args import integer
 from dsdebug.config.callback_args import TABLE_FILE, check_callback_args, declared
-from dsdebug.config.instantiate import instantiate_section
+from dsdebug.trainer.instantiate import instantiate_section
 from dsdebug.errors import ConfigError
 from dsdebug.trainer.cli import find_config_error
 from tests.helpers.runs import CONF

@@ -97,7 +97,7 @@ def test_strategies_instantiate(strategy):
 def test_loggers_and_callbacks_instantiate(logger, tmp_path, monkeypatch):
     from lightning.pytorch.loggers import Logger
 
-    from dsdebug.config.instantiate import instantiate_callbacks, instantiate_loggers
+    from dsdebug.trainer.instantiate import instantiate_callbacks, instantiate_loggers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = _compose([f"logger={logger}", f"hydra.run.dir={tmp_path}"])
@@ -133,7 +133,7 @@ def test_callbacks_are_added_removed_and_tuned_from_the_command_line():
 def test_smoke_experiment_is_a_short_quiet_run_that_later_overrides_beat(tmp_path):
     """experiment=smoke (the tests' base and a user's 1-minute sanity run): a few steps on a slice, CSV logs,
     no progress bar; what comes after it on the command line wins, logger and callbacks included."""
-    from dsdebug.config.instantiate import instantiate_callbacks
+    from dsdebug.trainer.instantiate import instantiate_callbacks
 
     cfg = _compose(["experiment=smoke"])
     OmegaConf.update(cfg, "paths.output_dir", str(tmp_path), force_add=True)

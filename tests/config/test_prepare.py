@@ -31,7 +31,7 @@ def validations(monkeypatch):
 def test_cli_run_validates_once_on_the_way_to_fit(tmp_path, shared_cache, validations):
     """The Hydra task function (trainer/cli.py run), a 1-process tiny fit: exactly one validation,
     and the derivations happened (the optimizer's lr is the scaled optim.lr, set by prepare)."""
-    from dsdebug.trainer.cli import run
+    from dsdebug.train import run
 
     run_dir = tmp_path / "run"
     cfg = _compose([*SMOKE, *TINY_NET, "trainer.max_steps=2", "export.hf=false"], run_dir, shared_cache)
@@ -49,7 +49,7 @@ def test_prepare_refuses_a_second_call_and_train_an_unprepared_config(tmp_path, 
     from dsdebug.trainer.entry import train
 
     cfg = _compose([*SMOKE, *TINY_NET], tmp_path / "run", shared_cache)
-    with pytest.raises(RuntimeError, match="needs a prepared config"):
+    with pytest.raises(RuntimeError, match="needs the run plan"):
         train(cfg)
     assert not is_prepared(cfg) and not validations
     assert prepare(cfg).cfg is cfg and is_prepared(cfg)

@@ -166,10 +166,10 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     from dsdebug.trainer.entry import build
 
     cfg = compose(overrides, run_dir)
-    prepare(cfg)
+    plan = prepare(cfg)
     configure_channel(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, module, trainer, _ = build(cfg)
+    datamodule, module, trainer, _, _ = build(plan)
     probe = _probe_class()()
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)] + [probe]
     trainer.fit(module, datamodule=datamodule)

@@ -26,7 +26,6 @@ def cli_error_lines(args: list[str], log_dir: Path, cache: Path, capsys) -> list
     from dsdebug.checkpoint.checkpoints import resolve_ckpt_path
     from dsdebug.checkpoint.reshard import plan_resume
     from dsdebug.checkpoint.resume import check_resume_config
-    from dsdebug.config.global_batch import world_size
     from dsdebug.config.prepare import prepare
     from dsdebug.config.validate import OutputDirCheck
     from dsdebug.findings import configure_channel
@@ -49,13 +48,14 @@ def cli_error_lines(args: list[str], log_dir: Path, cache: Path, capsys) -> list
         check = OutputDirCheck()  # conf/hydra/default.yaml: before Hydra creates the run dir
         (check.on_multirun_start if multirun else check.on_run_start)(config=hydra_cfg)
         run_dir = Path(OmegaConf.select(hydra_cfg, "hydra.run.dir"))
-        cfg = prepare(compose_as_hydra_main(one_job, run_dir, cache)).cfg
+        plan = prepare(compose_as_hydra_main(one_job, run_dir, cache))
+        cfg = plan.cfg
         output_dir = Path(cfg.paths.output_dir)
         configure_channel(output_dir)
         chosen = resolve_ckpt_path(cfg, output_dir)
-        plan_resume(cfg, chosen, output_dir, world_size(cfg))
-        datamodule, _module, _trainer, _final = build(cfg)
-        check_resume_config(cfg, chosen)
+        plan_resume(cfg, chosen, output_dir, plan.world_size)
+        check_resume_config(cfg, chosen)  # as trainer/entry.py _train: before build
+        datamodule = build(plan).datamodule
         datamodule.setup("fit")
     except SystemExit as e:  # dsdebug.errors.fail: the line is printed, then exit
         assert e.code == 2, e.code

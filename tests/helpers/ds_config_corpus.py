@@ -86,10 +86,10 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
         path = CONFIGS / name if (CONFIGS / name).is_file() else REPO / name  # or examples/ds_configs/...
         cfg = compose([*OVERRIDES, f"strategy.config={path}", f"trainer.devices={devices}",
                        *EXTRA.get(name, [])], run_dir)
-        prepare(cfg)
+        plan = prepare(cfg)
         configure_channel(run_dir)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
-        datamodule, module, trainer, _ = build(cfg)
+        datamodule, module, trainer, _, _ = build(plan)
         trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)]
         trainer.fit(module, datamodule=datamodule)
     finally:

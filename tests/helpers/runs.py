@@ -115,7 +115,7 @@ def train_in_process(overrides: list[str], run_dir: Path, cache: Path) -> dict:
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
-        return train(prepare(cfg).cfg)
+        return train(prepare(cfg))
     finally:
         if handler is not None:
             root.removeHandler(handler)

@@ -151,7 +151,7 @@ def test_a_planted_upward_import_fails(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
     channel = src / "findings" / "channel.py"
-    channel.write_text(channel.read_text() + "\n\ndef _late():\n    from dsdebug.trainer.cli import run  # planted\n")
+    channel.write_text(channel.read_text() + "\n\ndef _late():\n    from dsdebug.trainer.cli import classify  # planted\n")
     bad = violations(src)
     assert len(bad) == 1 and "src/findings/channel.py" in bad[0] and "dsdebug.trainer.cli" in bad[0], bad
     assert module_cycles(src) == []  # a lazy import is no cycle, but it is still upward
