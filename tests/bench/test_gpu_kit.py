@@ -1,4 +1,4 @@
-"""The GPU kit (docs/gpu.md): ``make gpu-kit``'s wheel list and size check (benchmarks/gpu_check_kit.py), the
+"""The GPU kit (docs/gpu.md): ``make gpu-kit``'s wheel list and size check (benchmarks/gpu/kit.py), the
 kit's install on the GPU machine, and ``gpu_check.py --dry-run`` (the same orchestration on CPU)."""
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from tests.helpers.runs import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
-import gpu_check_image as image  # noqa: E402
-import gpu_check_install as install  # noqa: E402
-import gpu_check_kit as kit  # noqa: E402
-from gpu_check_report import markdown  # noqa: E402
+from gpu import image, install, kit  # noqa: E402
+from gpu.report import markdown  # noqa: E402
 
 
 # ---- the wheel list ---------------------------------------------------------------------------
@@ -172,7 +170,7 @@ def _dry_run(tmp_path: Path, *extra: str, timeout: int = 900, as_image: bool = F
 
 
 def test_dry_run_env_only_with_only_the_images_packages_writes_every_step(tmp_path):
-    # packages that neither the GPU image nor the kit has are hidden (gpu_check_image.py): the env step
+    # packages that neither the GPU image nor the kit has are hidden (gpu/image.py): the env step
     # imports what every run imports (gpu_check.STACK), so a kit that misses one fails here, not on a GPU
     log = tmp_path / "hidden.log"
     proc, results, md = _dry_run(tmp_path, "--only", "env", timeout=300, as_image=True,
@@ -345,7 +343,7 @@ def test_zero_and_memory_judges_name_false_alarms_and_unexpected_model_states():
 
 @pytest.mark.slow  # 7 train.py runs, 40-170 s each on 2 shared cores (6-10 min); the fast tier runs --only env
 def test_dry_run_every_step_cpu_parts_pass_with_only_the_images_packages(tmp_path):
-    # as on the GPU machine: packages that neither its image nor the kit has are hidden (gpu_check_image.py)
+    # as on the GPU machine: packages that neither its image nor the kit has are hidden (gpu/image.py)
     proc, results, md = _dry_run(tmp_path, timeout=1800, as_image=True)
     steps = results["steps"]
     assert list(steps) == list(gpu_check.STEPS)

@@ -1,7 +1,7 @@
 """``make gpu-kit``: the wheels the lent GPU machine's image lacks, in one git-ignored folder.
 
-    python benchmarks/gpu_check_kit.py                # fills .gpu_kit/ (docs/gpu.md)
-    python benchmarks/gpu_check_kit.py --list         # what would be carried and why, no download
+    python benchmarks/gpu/kit.py                # fills .gpu_kit/ (docs/gpu.md)
+    python benchmarks/gpu/kit.py --list         # what would be carried and why, no download
 
 The lent machine (one H100/H200, Python 3.12, nothing can be fetched there) has torch 2.11+cu130,
 lightning, transformers 5.17, peft, tensorboard (``IMAGE_PACKAGES``, read off /work/.library/device/
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT_DIR = REPO / ".gpu_kit"
 LIMIT_MIB = 60.0
 MANIFEST = "MANIFEST.json"
@@ -304,7 +304,7 @@ def build(out: Path, limit_mib: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_check_kit.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="gpu/kit.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(KIT_DIR), help="the kit folder (default .gpu_kit, git-ignored)")
     p.add_argument("--limit-mib", type=float, default=LIMIT_MIB, help="working tree + kit limit (default 60)")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         made = build(Path(args.out), args.limit_mib)
     except KitError as e:
-        print(f"gpu_check_kit.py: error: {e}", file=sys.stderr)
+        print(f"gpu/kit.py: error: {e}", file=sys.stderr)
         return 1
     for w in made["wheels"]:
         print(f"{w['file']}  {w['bytes'] / 2 ** 20:.2f} MiB  ({w['why']})")

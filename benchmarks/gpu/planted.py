@@ -4,7 +4,7 @@
 ``overflow_steps`` steps, the gradient out of ``module`` is multiplied by ``factor``: beyond fp16's range
 at any scale) and also swaps in Lightning's CPU fp16 plugin; on a GPU with ``trainer.precision=16-mixed``
 the run is real fp16 already, so only the overflow is kept:
-``+callbacks.planted._target_=gpu_check_planted.Fp16Overflow +callbacks.planted.module=model.layers.1.mlp``
+``+callbacks.planted._target_=gpu.planted.Fp16Overflow +callbacks.planted.module=model.layers.1.mlp``
 (``benchmarks/`` on PYTHONPATH, as gpu_check.py sets it).
 """
 

@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import harness  # noqa: E402  (puts the repo on sys.path)
 from raw_loop import (AUX_COEF, BETAS, CROSS_ENTROPY, EPS, FUSED, GRAD_CLIP, LR, MIN_LR_RATIO, SEED,  # noqa: E402
                       WARMUP_RATIO, WEIGHT_DECAY, ZERO2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="gpu_check_raw.py")
+    p = argparse.ArgumentParser(prog="gpu/raw.py")
     p.add_argument("--model", required=True, help="build_deepseek_v3 kwargs (JSON)")
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)

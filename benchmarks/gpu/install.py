@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: gpu.planted for the runs' planted callback
 REPO = HERE.parent
 
 
@@ -71,7 +71,7 @@ def ensure_kit(kit: Path, site: Path, link_dir: Path) -> dict[str, Any]:
         out["dsdebug"] = f"from the working tree ({link} -> src)"
     else:
         out["dsdebug"] = "installed"
-    paths += [str(HERE), str(REPO)]  # gpu_check_planted, tests.planted (the runs' planted callbacks)
+    paths += [str(HERE), str(REPO)]  # gpu.planted, tests.planted (the runs' planted callbacks)
     sys.path[:0] = [p for p in (str(HERE), str(REPO)) if p not in sys.path]
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     if manifest is not None:
@@ -84,7 +84,7 @@ def ensure_kit(kit: Path, site: Path, link_dir: Path) -> dict[str, Any]:
 def unmet_requirements(names: list[str], left_out: set[str] = frozenset()) -> list[str]:
     """Each carried package's Requires-Dist (markers for this interpreter, extras off) checked against what
     is importable here: what pip would have installed, had it been allowed to resolve. ``left_out``: names
-    the kit leaves out on purpose (MANIFEST.json, gpu_check_kit.NOT_NEEDED)."""
+    the kit leaves out on purpose (MANIFEST.json, gpu.kit.NOT_NEEDED)."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement

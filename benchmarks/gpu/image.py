@@ -1,11 +1,11 @@
 """Run a command here as if only the GPU image's packages plus the kit were installed.
 
-    python benchmarks/gpu_check_image.py -- python benchmarks/gpu_check.py --dry-run --only env,fp16
+    python benchmarks/gpu/image.py -- python benchmarks/gpu_check.py --dry-run --only env,fp16
 
 The GPU image lacks packages this venv has (wandb, optuna, submitit, datasets, ...). A kit that misses one
 the framework imports would fail only there, in a GPU session. This hides, in the command and every
 process it starts (a ``sitecustomize`` on PYTHONPATH), every distribution installed here that is neither
-on the image's list (``gpu_check_kit.IMAGE_PACKAGES``, with what those need at this venv's versions) nor carried by the kit (``gpu_check_kit.local_plan``):
+on the image's list (``gpu.kit.IMAGE_PACKAGES``, with what those need at this venv's versions) nor carried by the kit (``gpu.kit.local_plan``):
 its top-level modules are not found (``import`` and ``importlib.util.find_spec``) and its metadata is not
 seen (``importlib.metadata``), as on the image. Versions are this venv's, not the image's (its torch is
 2.11, its other versions mostly unknown): this checks the closure, not the versions. Each hidden module
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_check_kit as kit  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu import kit  # noqa: E402
 
 SITECUSTOMIZE = '''
 import importlib.machinery, os, re, sys

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_command(name: str, cmd: list[str], work: Path, timeout: float, env: dict[str, str] | None = None) -> dict:
