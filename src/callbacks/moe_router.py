@@ -375,7 +375,7 @@ class MoERouter(DebugCallback):
 @torch.no_grad()
 def record_stats(records: list, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward's token-slot counts ``[L, E]``, summed per-token router entropy ``[L]`` and tokens ``[L]``.
-    Batched over layers (one bincount, one entropy): ~1 ms for 3 layers x 1024 tokens on CPU."""
+    Batched over layers (one bincount, one entropy), not one reduction per layer."""
     if len({(r.logits.shape, r.topk_indices.shape, r.score_func) for r in records}) > 1:  # layers differ
         parts = [record_stats([r], num_experts) for r in records]
         return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]

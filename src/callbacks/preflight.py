@@ -49,8 +49,8 @@ class Preflight(DebugCallback):
     probe's failure (an all-reduce each, up to 7) and gathers the results (one all_gather_object) at the
     first batch; under ZeRO-3 a probe that raises is raised, not skipped (its rank would leave the gathers); rank 0 reports. Nothing after the first batch: the cost is a
     one-off ~8 forwards without gradients of the first ``samples`` rows of this rank's batch (2 of 8 on
-    the default run: 0.19 s of a 300-step run's ~84 s on 1 CPU rank), plus the plan's walk of the LR
-    schedule over every step of the run (~20 us a step: 2 s for a 100k-step run).
+    the default run), plus the plan's walk of the LR schedule over every step of the run (both measured
+    in docs/benchmarks.md, "Costs the code refers to").
 
     Example::
 

@@ -54,7 +54,7 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0)
     bins: list[list[list[int]]] = []
     # first fit decreasing: a piece goes into the lowest-numbered bin with room for it. Bins are kept
     # by free room (a min-heap of bin numbers per room value), so a piece looks at <= seq_len heaps
-    # instead of every bin: ~1 s for the whole KJV (~8k pieces) instead of minutes.
+    # instead of every bin (the whole KJV in about a second instead of minutes: docs/benchmarks.md).
     by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]
     for piece in sorted(pieces, key=len, reverse=True):
         need = len(piece)

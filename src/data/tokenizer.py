@@ -186,7 +186,7 @@ def ensure_cache(source, vocab_size: int, cache_dir: str | os.PathLike, pretrain
 
 def entry_problem(entry: Path, vocab_size: int, pretrained: bool = False) -> str | None:
     """What is wrong with a complete-looking cache entry, naming the file; None if it loads.
-    Cheap (~10 ms): parses meta.json and tokenizer.json, reads the header of tokens.npy. A
+    Cheap: parses meta.json and tokenizer.json, reads the header of tokens.npy. A
     pretrained tokenizer is loaded from its own directory, not from the entry: only meta.json and
     tokens.npy matter there."""
     meta_path, tok_path, tokens_path = entry / "meta.json", entry / "tokenizer" / "tokenizer.json", entry / "tokens.npy"

@@ -14,8 +14,9 @@ wrapper of the layer's forward, or ``grad_ckpt``'s) is compiled with the block: 
 checkpointing as one region. Blocks: a Hugging Face model's decoder layers (``GradientCheckpointingLayer``),
 else the blocks of the net's largest ``nn.ModuleList``; every compiled block is marked (``COMPILED_ATTR``).
 
-Cost: the first training step (and each new input shape) compiles: ~1-2 min for the DeepSeek blocks on a 2-core
-CPU with a cold inductor cache (seconds with a warm one, ``/tmp/torchinductor_<user>``). Default off.
+Cost: the first training step (and each new input shape) compiles, minutes with a cold inductor cache on a small
+CPU, seconds with a warm one (``/tmp/torchinductor_<user>``; docs/benchmarks.md, "Costs the code refers to").
+Default off.
 
 Off means zero cost: ``model.compile=false`` (the default) leaves the net untouched; torch is imported only then.
 Runs on every rank; nothing here calls a collective.

@@ -5,9 +5,9 @@ host tensors every step (activations, logits, gradient buckets, optimizer tempor
 glibc's defaults the threshold between heap and ``mmap`` allocations moves as the process runs
 and the heap top is handed back to the OS once 2x that threshold is free, so from some point
 on a rank page-faults the same memory in again every step. Which rank ends up there depends on
-the allocation history: on the default 2-rank CPU run one rank had 850-910 k minor faults per 30
-steps against 320-450 k on the other and in the hand-written loop, +1.5-2 s of system time
-(~5-10 % of that rank's CPU per step); with the settings below every rank had 255-270 k.
+the allocation history: on the default 2-rank CPU run one rank page-faulted 2-3x as often as the other
+and as the hand-written loop, with the settings below every rank as little as the best (the fault
+counts and system time: docs/benchmarks.md 2c).
 
 ``tune_malloc(True)`` (the default) fixes the mmap threshold at glibc's ceiling (32 MiB on
 64-bit: smaller blocks come from the heap and are reused) and never trims the heap top, with

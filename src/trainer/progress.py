@@ -1,8 +1,8 @@
 """The progress bar, throttled: Lightning's `RichProgressBar` redrawn at most once per interval.
 
 Lightning's bar reads every progress-bar metric and updates the rich task after every training
-batch. On the default CPU run (~0.35 s/step) that cost 5-9 % of the step time
-(benchmarks/framework_vs_raw.py, docs/benchmarks.md); at GPU step times it would be more.
+batch. On the default CPU run that cost a measurable share of the step time (progress bar, in
+docs/benchmarks.md, "Costs the code refers to"); at GPU step times it would be more.
 Here the per-batch update runs only when ``min_interval_s`` has passed since the last one (and
 always for the last batch of an epoch), so a human still sees it move about once a second.
 The bar's title is "Epoch <n>" on a step-limited run (Lightning's reads "Epoch 0/-2" there).

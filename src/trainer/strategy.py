@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def skip_shm_comm_op() -> None:
-    """DeepSpeed's CPU backend builds (JIT, first use ~25-55 s on 2 cores) and loads its shared-memory
+    """DeepSpeed's CPU backend builds (JIT, tens of seconds on first use) and loads its shared-memory
     comm op when its process group starts, every run, 1 rank included. The op serves only
     ``inference_all_reduce`` (AutoTP inference); training's collectives go through torch.distributed
     (gloo). Marked incompatible, it is neither built nor loaded: the first ``make train`` starts

@@ -13,7 +13,7 @@ first tensor) computed where the batch lives (no host sync). Any dtype: non-inte
 by value; the token-only checks (labels, n-gram overlap, padding, decoding) are skipped for it
 and the ``first_batch`` finding says so (library: ``fingerprint.py``; dataset-level checks:
 ``dataset_checks.py``). Overlap: exact sample hashes plus rolling hashes of every
-``overlap_ngram``-token window (vectorised, O(tokens); ~0.15 s for the full 1M-token KJV).
+``overlap_ngram``-token window (vectorised, O(tokens); its time on the KJV: docs/benchmarks.md).
 Label convention: from the first batch (labels == input_ids, or labels[t] == input_ids[t+1])
 against the module's: ``shifts_labels`` on the LightningModule if set, else known for
 ``CausalLMModule`` (it shifts). Data order: ``compare_with=latest`` picks the newest other run

@@ -5,7 +5,7 @@
   only make sense for them. Float (or any other) data gets the exact-copy checks, on its real
   values: samples are hashed by their bytes, batches by their bit patterns (never truncated).
 - ``find_overlap``: exact duplicate samples (blake2b of the bytes) and, for tokens, rolling
-  hashes of every ``n``-token window (vectorised, O(tokens); ~0.15 s for the 1M-token KJV).
+  hashes of every ``n``-token window (vectorised, O(tokens); its time on the KJV: docs/benchmarks.md).
 """
 
 from __future__ import annotations

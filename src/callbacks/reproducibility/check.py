@@ -64,8 +64,8 @@ class Reproducibility(DebugCallback):
       deterministic mode): ``null`` (auto) fills only in strict mode -- ``warn_only: false``, or a strict
       mode already on (``trainer.deterministic=true``) -- where the user asked for bitwise replay; with
       ``warn_only: true`` the run is not bitwise deterministic anyway (an op without a deterministic kernel
-      only warns), so paying for the fill (Megatron measured ~15 % of a step on GPU; 40 % of a ZeRO-2 CPU
-      step here) buys nothing. ``true``/``false`` are applied as given; ``true`` with ``deterministic:
+      only warns), so paying for the fill (a sizeable share of a step on GPU and CPU: docs/benchmarks.md,
+      "Costs the code refers to") buys nothing. ``true``/``false`` are applied as given; ``true`` with ``deterministic:
       false`` is refused (it would do nothing).
     - ``on_train_start`` (every rank): writes ``repro/rank<r>.json`` (seeds, env, flags, versions,
       a digest of each RNG state) and ``repro/rng_state_rank<r>.pt`` (python, numpy, torch CPU
