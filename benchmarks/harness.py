@@ -144,14 +144,15 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     from dsdebug.findings import configure_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
     from dsdebug.config.prepare import prepare
-    from dsdebug.trainer.entry import build
+    from dsdebug.trainer.entry import bind_config, build
 
     started = time.perf_counter()
     cfg = compose([*QUIET, *overrides], run_dir)
-    prepare(cfg)
+    plan = prepare(cfg)
     configure_channel(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, module, trainer, _ = build(cfg)
+    datamodule, module, trainer, _, plan = build(plan)
+    bind_config(trainer, plan)  # as trainer/entry.py _train, last before fit
     timer = StepTimer()
     # the final checkpoint is I/O after the timed window: leave it out of every variant alike
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)] + [timer]

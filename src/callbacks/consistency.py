@@ -229,7 +229,7 @@ class ConsistencyCheck(DebugCallback):
         self.mismatches: list[dict[str, Any]] | None = None
 
     def bind_config(self, cfg: Any) -> None:
-        """The run's config (entry.build calls this); hashed at setup, after every value is settled."""
+        """The run's config (trainer/entry.py bind_config calls this, last before fit); hashed at setup."""
         self.run_config = cfg
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -210,9 +210,11 @@ class OutcomeMonitor(DebugCallback):
             return  # alike on every rank: the same module class, a training batch on each
         batch = first_rows(batch, 2)  # the probe's forwards (and its module trace) on 2 rows, as preflight's
         any_rank = functools.partial(self.any_rank, trainer)
-        inputs = ProbeInputs(net, batch, shifts_labels=bool(getattr(pl_module, "shifts_labels", True)), agree=any_rank)
+        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))  # ZeRO-3: every forward gathers
+        inputs = ProbeInputs(net, batch, shifts_labels=bool(getattr(pl_module, "shifts_labels", True)),
+                             agree=any_rank if collective else None)  # (as preflight's)
         wanted = [name for name in wanted if PROBES[name].on_the_spot]  # the same list on every rank
-        results = run_registered(wanted, inputs, any_rank, bool(getattr(trainer.strategy, "zero_stage_3", False)))
+        results = run_registered(wanted, inputs, any_rank, collective)
         for r in results:
             self._reported.append(f"{r.probe}_on_the_spot")
             if trainer.global_rank == 0:

@@ -45,9 +45,10 @@ class Preflight(DebugCallback):
     those (``python train.py <overrides> doctor=true``).
 
     Ranks: every rank runs every probe, with the same number of forwards (under ZeRO-3 each forward
-    gathers parameters: a collective), agrees on the probes to skip (a rank with a 1-row batch) and on each
-    probe's failure (an all-reduce each, up to 7) and gathers the results (one all_gather_object) at the
-    first batch; under ZeRO-3 a probe that raises is raised, not skipped (its rank would leave the gathers); rank 0 reports. Nothing after the first batch: the cost is a
+    gathers parameters: a collective), agrees on the probes each rank's batch is too small for and on each
+    probe's failure (an all-reduce each: two per probe, plus train_eval's own under ZeRO-3) and gathers the
+    results (one all_gather_object) at the first batch; under ZeRO-3 a probe that raises is raised, not
+    skipped (its rank would leave the gathers); rank 0 reports. Nothing after the first batch: the cost is a
     one-off ~8 forwards without gradients of the first ``samples`` rows of this rank's batch (2 of 8 on
     the default run), plus the plan's walk of the LR schedule over every step of the run (both measured
     in docs/benchmarks.md, "Costs the code refers to").
@@ -119,13 +120,15 @@ class Preflight(DebugCallback):
         (probes/registry.py), run by its harness (probes/on_the_run.py run_registered). COLLECTIVE."""
         full = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         any_rank = functools.partial(self.any_rank, trainer)
+        collective = bool(getattr(trainer.strategy, "zero_stage_3", False))  # ZeRO-3: every forward gathers
         # the first `samples` rows: each probe's forwards cost that share of the batch's; the plan reads the
-        # whole batch (its size, the label fraction)
+        # whole batch (its size, the label fraction). Ranks agree inside a probe only where its forwards are
+        # collective (a rank whose probe raised would miss the agreement elsewhere).
         inputs = ProbeInputs(net, first_rows(full, self.samples), full, pretrained=is_pretrained(net),
                              shifts_labels=bool(getattr(pl_module, "shifts_labels", True)), trainer=trainer,
-                             pl_module=pl_module, agree=any_rank)
+                             pl_module=pl_module, agree=any_rank if collective else None)
         names = [n for n in self.probes if PROBES[n].after_resume or not resumed]
-        return run_registered(names, inputs, any_rank, bool(getattr(trainer.strategy, "zero_stage_3", False)))
+        return run_registered(names, inputs, any_rank, collective)
 
     def _report(self, trainer: Any, seconds: float) -> None:
         if trainer.global_rank != 0:

@@ -106,8 +106,9 @@ def _run_dir_of(ckpt: Path) -> Path | None:
     return None
 
 
-def check_resume_config(cfg: DictConfig, ckpt: str | None) -> None:
-    """Rank 0, after the config is final and before this run writes its own config_resolved.yaml."""
+def check_resume_config(cfg: DictConfig | dict, ckpt: str | None) -> None:
+    """Rank 0, after the config is final and before this run writes its own config_resolved.yaml. ``cfg``: the
+    run's config, or its resolved form (trainer/entry.py resolved_config: with what the build learnt)."""
     mode = cfg.get("resume")
     if ckpt is None or not mode or cfg.get("ckpt_path"):
         return
@@ -122,7 +123,8 @@ def check_resume_config(cfg: DictConfig, ckpt: str | None) -> None:
     except Exception as e:  # noqa: BLE001 - a file we cannot read is reported, not fatal
         log.warning("resume=%s: %s is unreadable (%s): the configs cannot be compared", mode, saved_file, e)
         return
-    diffs = config_differences(saved, redact(OmegaConf.to_container(cfg, resolve=True)))
+    now = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    diffs = config_differences(saved, redact(now))
     if not diffs:
         return
     identity = {k: v for k, v in diffs.items() if not k.startswith(LAYOUT)}

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["PLAN_FILE", "Adjustment", "RunPlan", "adjustments_between", "plan_of", "register_plan", "replace_plan"]
+__all__ = ["PLAN_FILE", "Adjustment", "RunPlan", "adjustments_between", "is_prepared", "mark_prepared", "replace_plan"]
 
 PLAN_FILE = "run_plan.json"
 
@@ -102,25 +101,24 @@ def adjustments_between(asked: DictConfig, used: DictConfig) -> tuple[Adjustment
                             _WHY.get(k, "changed by prepare")) for k in keys)
 
 
-_plans: dict[int, tuple[weakref.ref, RunPlan]] = {}  # by identity: DictConfig compares (and hashes) by content
+_PREPARED_FLAG = "dsdebug_prepared"  # an OmegaConf node flag: set on the config prepare returned a plan for
 
 
-def register_plan(plan: RunPlan) -> RunPlan:
-    _plans[id(plan.cfg)] = (weakref.ref(plan.cfg), plan)
-    return plan
+def mark_prepared(cfg: DictConfig) -> None:
+    """Flag ``cfg`` as prepared (on the object itself: no registry holding configs alive)."""
+    cfg._set_flag(_PREPARED_FLAG, True)
 
 
-def plan_of(cfg: Any) -> RunPlan | None:
-    """The plan ``prepare`` made for this config object (None: not prepared)."""
-    held = _plans.get(id(cfg))
-    return held[1] if held is not None and held[0]() is cfg else None
+def is_prepared(cfg: Any) -> bool:
+    """Whether ``prepare`` ran on this config object (not one equal to it)."""
+    return isinstance(cfg, DictConfig) and cfg._get_node_flag(_PREPARED_FLAG) is True
 
 
 def replace_plan(plan: RunPlan, adjustment: Adjustment, **values: Any) -> RunPlan:
     """A value known only after prepare (a hub tokenizer's vocabulary): a new frozen plan with ``values`` and the
-    adjustment recorded, registered for the config in place of ``plan``; the config itself stays as it was."""
+    adjustment recorded; the config itself stays as it was."""
     kept = tuple(a for a in plan.adjustments if a.key != adjustment.key)
-    return register_plan(dataclasses.replace(plan, adjustments=(*kept, adjustment), **values))
+    return dataclasses.replace(plan, adjustments=(*kept, adjustment), **values)
 
 
 _ABSENT = "<absent>"

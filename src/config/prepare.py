@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dsdebug.config.ds_config import apply_ds_json_to_cfg
 from dsdebug.config.global_batch import apply_global_batch_size, world_size
-from dsdebug.config.plan import RunPlan, adjustments_between, plan_of, register_plan
+from dsdebug.config.plan import RunPlan, adjustments_between, is_prepared, mark_prepared
 from dsdebug.config.tokenizer_check import settle_tokenizer
 from dsdebug.config.validate import fp16_supported, validate_config
 from dsdebug.models.optim import resolve_fused, scaled_lr
@@ -81,13 +81,15 @@ def prepare(cfg: DictConfig) -> RunPlan:
         if (cfg.get("logger") or {}).get("wandb") is not None else None  # (only W&B groups a sweep's runs)
     OmegaConf.set_readonly(asked, True)
     OmegaConf.set_readonly(cfg, True)  # from here on a write raises (tests/config/test_plan.py)
-    return register_plan(RunPlan(
+    plan = RunPlan(
         cfg=cfg, asked=asked, world_size=world_size(cfg), devices=cfg.trainer.devices,
         num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1), per_rank_batch=int(cfg.data.batch_size),
         accumulate=int(cfg.trainer.accumulate_grad_batches), global_batch=int(global_batch),
         lr_asked=float(cfg.optim.lr), lr=float(cfg.optim.optimizer.lr), vocab_size=cfg.data.get("vocab_size"),
         tokenizer=cfg.data.get("tokenizer"), fused=cfg.optim.optimizer.get("fused"),
-        logger_arguments=sweep_logger_arguments(cfg, identity), adjustments=adjustments_between(asked, cfg)))
+        logger_arguments=sweep_logger_arguments(cfg, identity), adjustments=adjustments_between(asked, cfg))
+    mark_prepared(cfg)
+    return plan
 
 
 def sweep_logger_arguments(cfg: DictConfig, identity: dict | None) -> dict[str, dict]:
@@ -102,8 +104,3 @@ def sweep_logger_arguments(cfg: DictConfig, identity: dict | None) -> dict[str, 
     if wandb_cfg.get("name") in (None, "", cfg.get("task_name")):
         args["name"] = identity["name"]
     return {"wandb": args} if args else {}
-
-
-def is_prepared(cfg: DictConfig) -> bool:
-    """Whether ``prepare`` ran on this config object (``build``/``train`` need it)."""
-    return plan_of(cfg) is not None

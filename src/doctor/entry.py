@@ -30,9 +30,8 @@ from dsdebug.doctor.callback import DoctorCallback
 from dsdebug.doctor.verdict import print_verdict, summary_line
 from dsdebug.errors import StoppedByCheck
 from dsdebug.findings import Finding, configure_channel
-from dsdebug.findings.secrets import redact
 from dsdebug.report.finish import finish_run
-from dsdebug.trainer.entry import bind_config, build, model_config
+from dsdebug.trainer.entry import bind_config, build, model_config, resolved_config
 
 __all__ = ["doctor"]
 
@@ -61,7 +60,7 @@ def doctor(plan: RunPlan) -> dict[str, Any]:
         log.info("doctor: probing %s on %d rank(s) -> %s", type(trainer.strategy).__name__, trainer.world_size,
                  output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+        resolved = resolved_config(plan)
         (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
         plan.write(output_dir)
     bind_config(trainer, plan)

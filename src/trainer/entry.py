@@ -44,7 +44,7 @@ from dsdebug.findings.secrets import redact
 from dsdebug.config.tokenizer_check import check_fits_model, check_vocab_size
 from dsdebug.config.plan import Adjustment, RunPlan, replace_plan
 
-__all__ = ["Built", "bind_config", "build", "model_config", "train"]
+__all__ = ["Built", "bind_config", "build", "model_config", "resolved_config", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -129,16 +129,28 @@ def bind_config(trainer: L.Trainer, plan: RunPlan) -> None:
             callback.bind_config(plan.cfg)
 
 
+def _as_planned(plan: RunPlan) -> DictConfig:
+    """The config with what the plan learnt after prepare (a hub tokenizer's vocabulary): a copy when that differs,
+    so every ``${data.vocab_size}`` resolves to it; the run's config itself is never written."""
+    cfg = plan.cfg
+    if plan.vocab_size is None or plan.vocab_size == cfg.data.get("vocab_size"):
+        return cfg
+    source = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(source, False)
+    with open_dict(source):
+        source.data.vocab_size = plan.vocab_size
+    return source
+
+
 def model_config(plan: RunPlan) -> dict[str, Any]:
-    """The ``model`` section resolved for the run: its ``${data.vocab_size}`` interpolations take the plan's
-    vocabulary (a hub tokenizer's, when it differs from the config's)."""
-    cfg = source = plan.cfg
-    if plan.vocab_size is not None and plan.vocab_size != cfg.data.get("vocab_size"):
-        source = copy.deepcopy(cfg)
-        OmegaConf.set_readonly(source, False)
-        with open_dict(source):
-            source.data.vocab_size = plan.vocab_size
-    return OmegaConf.to_container(source.model, resolve=True)
+    """The ``model`` section resolved for the run (its ``${data.vocab_size}``: the plan's vocabulary)."""
+    return OmegaConf.to_container(_as_planned(plan).model, resolve=True)
+
+
+def resolved_config(plan: RunPlan) -> dict[str, Any]:
+    """The whole config as the run uses it, resolved and with secrets redacted: what config_resolved.yaml holds,
+    the loggers get, and a resume compares with the checkpoint's."""
+    return redact(OmegaConf.to_container(_as_planned(plan), resolve=True))
 
 
 def _check_vocab(module: Any, datamodule: Any, pretrained_net: bool) -> None:
@@ -181,10 +193,11 @@ def _train(plan: RunPlan, started: float) -> dict[str, Any]:
     chosen = resolve_ckpt_path(cfg, output_dir)
     ckpt_path, universal = plan_resume(cfg, chosen, output_dir, plan.world_size)
     resume_step, logger_arguments = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
-    if rank_zero_only.rank == 0:
-        check_resume_config(cfg, chosen)  # against the config that wrote it: refuse or warn, one line
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt, plan = build(plan, logger_arguments)
+    resolved = resolved_config(plan)  # after build: a hub tokenizer's vocabulary is known now
+    if rank_zero_only.rank == 0:
+        check_resume_config(resolved, chosen)  # against the config that wrote it: refuse or warn, one line
     stop_if_received("while the model and data were built")  # a preemption signal so far: end here
     if universal:
         enable_universal_loading(trainer.strategy)
@@ -194,7 +207,7 @@ def _train(plan: RunPlan, started: float) -> dict[str, Any]:
         dashboards = attach_dashboards(channel, trainer.loggers)  # findings -> TensorBoard text, W&B alerts
         _print_header(cfg, output_dir, module)
         settle_run_dir(trainer.loggers, output_dir, resume_step)  # a previous attempt's end, CSV rows kept
-        _write_config(plan, output_dir, trainer)
+        _write_config(plan, resolved, output_dir, trainer)
     bind_config(trainer, plan)  # the config's last stop before fit: the checks that compare it across ranks
     # a checkpoint file (DDP) is unpickled with weights_only=True: tensors and plain containers
     # only, no code; DeepSpeed loads its own shards (weights_only=False inside DeepSpeed)
@@ -258,9 +271,8 @@ def _print_header(cfg: DictConfig, output_dir: Path, module: Any = None) -> None
             log.info("debug: %s %s", name, knobs)
 
 
-def _write_config(plan: RunPlan, output_dir: Path, trainer: L.Trainer) -> None:
+def _write_config(plan: RunPlan, resolved: dict[str, Any], output_dir: Path, trainer: L.Trainer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    resolved = redact(OmegaConf.to_container(plan.cfg, resolve=True))
     (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
     plan.write(output_dir)  # run_plan.json: the derived values, and what prepare changed and why
     for logger in trainer.loggers:

@@ -164,3 +164,13 @@ def test_each_variant_window_holds_its_cadences_a_whole_number_of_times(tmp_path
     assert window("light") == 50          # grad_monitor / data_inspector / log_sync every 50 steps
     assert window("full") == 50           # replica_parity / mixed_precision every 50 steps, the rest every 1-10
     assert window("grad_monitor", base=25) == 30
+
+
+def test_the_harness_fits_a_variant_in_process_as_train_py_builds_it(tmp_path, shared_cache, monkeypatch):
+    """harness.fit (make bench, bench-comm, scaling, determinism): prepare -> build -> bind -> fit with the step
+    timer; every check of debug=full built and run."""
+    monkeypatch.setenv("DSDEBUG_CACHE_DIR", str(shared_cache))
+    result = harness.fit(["model.net._target_=tests.planted.data.HealthyTinyLM", "trainer.max_steps=3", "debug=full"],
+                         tmp_path / "run")
+    assert len(result["step_s"]) == 3 and result["wall_s"] > 0
+    assert {"ConsistencyCheck", "GradMonitor", "LayerHealth", "Preflight"} <= set(result["callbacks"]), result["callbacks"]

@@ -60,8 +60,8 @@ def test_the_plan_holds_what_prepare_derived_and_says_why_each_value_changed(com
     the composed config is kept as asked, and each changed key has prepare's own reason."""
     from dsdebug.config.prepare import prepare
 
-    cfg = composed(["data.global_batch_size=8", "trainer.accumulate_grad_batches=2", "+optim.scale_lr_base_batch_size=4",
-                    "optim.lr=1e-3", "optim.optimizer.fused=auto"])
+    cfg = composed(["data.global_batch_size=8", "trainer.accumulate_grad_batches=2",
+                    "+optim.scale_lr_base_batch_size=4", "optim.lr=1e-3", "optim.optimizer.fused=auto"])
     plan = prepare(cfg)
     assert (plan.world_size, plan.per_rank_batch, plan.accumulate, plan.global_batch) == (1, 4, 2, 8)
     assert plan.lr_asked == pytest.approx(1e-3) and plan.lr == pytest.approx(2e-3)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from dsdebug.data import tokenizer as tokmod
 from dsdebug.data.corpus import KJVCorpus, TextFilesCorpus
@@ -167,6 +168,16 @@ def test_hub_id_tokenizer_from_the_local_hf_cache(model_dirs, corpus_dir, tmp_pa
     assert state["net.embed.weight"].shape[0] == 400  # model.net.vocab_size=${data.vocab_size} followed
     (entry,) = (tmp_path / "cache" / "data").iterdir()
     assert json.loads((entry / "meta.json").read_text())["tokenizer"]["name"] == "fake-org/gpt2-tok"
+    # the config the run wrote is the one it used (the report and a resume read it); the plan says why
+    written = OmegaConf.load(tmp_path / "run" / "config_resolved.yaml")
+    assert written.data.vocab_size == written.model.net.vocab_size == 400
+    plan = json.loads((tmp_path / "run" / "run_plan.json").read_text())
+    assert plan["vocab_size"] == 400
+    assert [a["used"] for a in plan["adjustments"] if a["key"] == "data.vocab_size"] == [400]
+    # ... so a resume in place compares equal configs and continues
+    again = train_in_process([*overrides[:-2], "trainer.max_steps=2", "export.hf=false", "resume=auto"],
+                             tmp_path / "run", tmp_path / "cache")
+    assert again["status"] == "completed" and again["global_step"] == 2 and again["resumed_from"]
     # checked against the built model too: a fixed embedding smaller than the tokenizer
     with pytest.raises(ConfigError, match="data.tokenizer=fake-org/gpt2-tok: the tokenizer has 400 token ids but "
                                           r"vocab_size=300 in the model's config \(model.net\)"):

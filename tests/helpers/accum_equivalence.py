@@ -163,13 +163,14 @@ def fit(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     from dsdebug.findings import configure_channel, get_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
     from dsdebug.config.prepare import prepare
-    from dsdebug.trainer.entry import build
+    from dsdebug.trainer.entry import bind_config, build
 
     cfg = compose(overrides, run_dir)
     plan = prepare(cfg)
     configure_channel(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, module, trainer, _, _ = build(plan)
+    datamodule, module, trainer, _, plan = build(plan)
+    bind_config(trainer, plan)
     probe = _probe_class()()
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)] + [probe]
     trainer.fit(module, datamodule=datamodule)

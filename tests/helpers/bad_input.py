@@ -30,7 +30,7 @@ def cli_error_lines(args: list[str], log_dir: Path, cache: Path, capsys) -> list
     from dsdebug.config.validate import OutputDirCheck
     from dsdebug.findings import configure_channel
     from dsdebug.trainer.cli import find_config_error, precheck_overrides
-    from dsdebug.trainer.entry import build
+    from dsdebug.trainer.entry import build, resolved_config
 
     argv = [*args, f"paths.log_dir={log_dir}"]
     multirun = "-m" in argv
@@ -54,8 +54,9 @@ def cli_error_lines(args: list[str], log_dir: Path, cache: Path, capsys) -> list
         configure_channel(output_dir)
         chosen = resolve_ckpt_path(cfg, output_dir)
         plan_resume(cfg, chosen, output_dir, plan.world_size)
-        check_resume_config(cfg, chosen)  # as trainer/entry.py _train: before build
-        datamodule = build(plan).datamodule
+        built = build(plan)
+        check_resume_config(resolved_config(built.plan), chosen)  # as trainer/entry.py _train
+        datamodule = built.datamodule
         datamodule.setup("fit")
     except SystemExit as e:  # dsdebug.errors.fail: the line is printed, then exit
         assert e.code == 2, e.code

@@ -77,7 +77,7 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
     from dsdebug.findings import configure_channel
     from dsdebug.checkpoint.checkpoints import FinalCheckpoint
     from dsdebug.config.prepare import prepare
-    from dsdebug.trainer.entry import build
+    from dsdebug.trainer.entry import bind_config, build
 
     records = Records()
     logging.getLogger().addHandler(records)
@@ -89,7 +89,8 @@ def fit(name: str, devices: int, run_dir: Path) -> dict[str, Any]:
         plan = prepare(cfg)
         configure_channel(run_dir)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
-        datamodule, module, trainer, _, _ = build(plan)
+        datamodule, module, trainer, _, plan = build(plan)
+        bind_config(trainer, plan)
         trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FinalCheckpoint)]
         trainer.fit(module, datamodule=datamodule)
     finally:

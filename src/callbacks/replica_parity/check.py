@@ -129,7 +129,7 @@ class ReplicaParity(DebugCallback):
         self._weights: dict[torch.device, torch.Tensor] = {}  # position weights per device (checksums)
 
     def bind_config(self, cfg: Any) -> None:
-        """The run's config (entry.build calls this), hashed like the consistency check does."""
+        """The run's config (trainer/entry.py bind_config calls this, last before fit), hashed as consistency does."""
         self.run_config = cfg
 
     # ---- setup: every rank, local ------------------------------------------------------
