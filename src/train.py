@@ -24,6 +24,7 @@ from typing import Any
 __all__ = ["ENV_ENTRY", "config_dir", "main", "run"]
 
 ENV_ENTRY = "DSDEBUG_ENTRY"  # the script a sweep job re-runs (submitit pickles the task function)
+_OWN_FULL_ERROR = "DSDEBUG_HYDRA_FULL_ERROR"  # HYDRA_FULL_ERROR was set by us, not by the user
 
 
 def config_dir() -> Path:
@@ -52,25 +53,39 @@ def main(entry: str | None = None) -> None:
 
         fail(str(missing_extra(e, "dsdebug-train / train.py") or e))
 
-    from dsdebug.trainer.cli import precheck_overrides
+    from dsdebug.trainer.cli import composition_error, precheck_overrides
     from dsdebug.distributed.launch_env import detect
     from dsdebug.distributed.run_dir import main_argv
 
     os.environ.setdefault("PROJECT_ROOT", os.getcwd())
     os.environ.setdefault(ENV_ENTRY, str(Path(entry or sys.argv[0]).resolve()))
     conf = config_dir()
+    started = []
 
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="train")
     def task(cfg):
         # a submitit job runs this function, pickled, under its own argv
+        started.append(True)
         return run(cfg, script=os.environ.get(ENV_ENTRY))
 
     sys.argv[1:] = main_argv()  # torchrun / srun / deepspeed: one run dir for every rank of the job
-    # our own child ranks were started from a checked config; an external launcher's were not
-    # (every rank checks; only rank 0 prints the error line)
-    if os.environ.get("LOCAL_RANK", "0") == "0" or detect() is not None:
+    if any(a in ("-m", "--multirun") for a in sys.argv[1:]) and (os.environ.get("LOCAL_RANK", "0") == "0"
+                                                                 or detect() is not None):
+        # a sweep: every job composed now, before any runs (each job then composes its own, once)
         precheck_overrides(sys.argv[1:], conf, "train")
-    task()
+    # a single run is composed once, by @hydra.main; an error composing it reaches us instead of Hydra's
+    # several-line report (the hash seed a YAML sets: distributed/hash_seed.py HashSeedCheck, a Hydra callback)
+    ours = os.environ.get("HYDRA_FULL_ERROR") in (None, "") or os.environ.get(_OWN_FULL_ERROR) == "1"
+    if ours:
+        os.environ["HYDRA_FULL_ERROR"] = os.environ[_OWN_FULL_ERROR] = "1"
+    try:
+        task()
+    except Exception as e:  # noqa: BLE001 - before the task function: the config did not compose
+        if started or not ours:
+            raise
+        from dsdebug.errors import fail
+
+        fail(composition_error(e, sys.argv[1:], conf, "train"))
 
 
 def _doctor_asked(cfg) -> bool:

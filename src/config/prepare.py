@@ -4,12 +4,11 @@ The way to ``trainer.fit``, per process (the launching process, and again each c
 Lightning starts by re-running the entry point with ``LOCAL_RANK`` set)::
 
     src/train.py main()
-      compose #1  trainer/cli.py precheck_overrides   Hydra compose API, only to turn a composition
-                                                      error (unknown option, misspelt key, syntax,
-                                                      every job of a -m sweep, SLURM tasks vs ranks)
-                                                      into one line; validates nothing. Skipped in
-                                                      our own child ranks (their parent checked).
-      compose #2  @hydra.main                         the config the run uses
+      -m only     trainer/cli.py precheck_overrides   every job of the sweep composed first (and SLURM
+                                                      tasks vs ranks), so a bad job is one line before
+                                                      any runs; validates nothing
+      compose     @hydra.main                         the config the run uses, once (an error composing
+                                                      it: one line, trainer/cli.py composition_error)
       src/train.py run(cfg)
         -m: distributed/sweep.py run_job_in_subprocess       each job = a fresh `train.py` process: it
                                                       runs this same path (no validation here)

@@ -16,7 +16,8 @@ from typing import Any
 from dsdebug.errors import ConfigError, fail, is_out_of_memory, missing_extra
 from dsdebug.errors import is_rank_zero as _is_rank_zero
 
-__all__ = ["classify", "find_config_error", "precheck_overrides", "record_crash", "reported_a_death"]
+__all__ = ["classify", "composition_error", "find_config_error", "precheck_overrides", "record_crash",
+           "reported_a_death"]
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ _HYDRA_FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
 def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> None:
     """Compose the config with Hydra's compose API before ``@hydra.main`` runs, so an unknown
     group option, a misspelt key or a syntax error becomes one line naming it (Hydra's own
-    report is several lines). Under ``-m`` every job of a basic sweep is composed."""
+    report is several lines). The command line runs it for a sweep (``-m``): every job of a basic sweep is composed,
+    before any runs; a single run is composed once, by ``@hydra.main``, its errors turned into the same line
+    (src/train.py main, ``composition_error``)."""
     if any(a.startswith("-") and a not in _HYDRA_FLAGS_WITHOUT_VALUE for a in argv):
         return  # --cfg, --help, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
@@ -54,14 +57,17 @@ def precheck_overrides(argv: list[str], config_dir: Path, config_name: str) -> N
                 master = [o.input_line for o in parsed if not o.is_sweep_override()]  # what the launcher is built from
                 check_sweep(compose(config_name, overrides=master, return_hydra_config=True), composed)
     except Exception as e:  # noqa: BLE001 - any composition failure is bad input
-        text, hint = _flatten_hydra_error(e), _did_you_mean(str(e), overrides, config_dir, config_name)
-        fail(text.rstrip(".") + hint if hint else text)
+        fail(composition_error(e, argv, config_dir, config_name))
     finally:
         GlobalHydra.instance().clear()
-    if not multirun:  # a sweep's jobs run as processes of their own, which come through here
-        from dsdebug.distributed.hash_seed import match_config
 
-        match_config(composed[0])  # the entry read the hash seed from the command line; a YAML may set it
+
+def composition_error(e: BaseException, argv: list[str], config_dir: Path, config_name: str) -> str:
+    """The one line for a config that did not compose (an unknown group option, a misspelt key, a syntax error):
+    Hydra's message flattened, with the closest valid key when one is close."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    text, hint = _flatten_hydra_error(e), _did_you_mean(str(e), overrides, config_dir, config_name)
+    return text.rstrip(".") + hint if hint else text
 
 
 _MISSING_KEY = re.compile(r"Could not (?:override|delete from config\.) '?([\w.\-]+)'")

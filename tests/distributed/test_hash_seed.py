@@ -44,10 +44,13 @@ def test_default_equals_the_reproducibility_config():
     assert str(conf["reproducibility"]["hash_seed"]) == hash_seed.DEFAULT
 
 
+# as train.py: the command line's seed first, then Hydra's on_run_start with the composed config (HashSeedCheck,
+# conf/hydra/default.yaml), before the run dir is made
 _COMPOSED = ("import os, sys; from omegaconf import OmegaConf; "
-             "from dsdebug.distributed.hash_seed import fix_hash_seed, match_config; "
+             "from dsdebug.distributed.hash_seed import fix_hash_seed; "
+             "from dsdebug.distributed.hash_seed_check import HashSeedCheck; "
              "print('start', flush=True); fix_hash_seed(sys.argv[1:]); "
-             "match_config(OmegaConf.create({'callbacks': {'reproducibility': {'hash_seed': 7}}})); "
+             "HashSeedCheck().on_run_start(config=OmegaConf.create({'callbacks': {'reproducibility': {'hash_seed': 7}}})); "
              "print(os.environ['PYTHONHASHSEED'], flush=True)")
 
 
