@@ -69,8 +69,14 @@ class RunPlan:
     vocab_size: int | None
     tokenizer: str | None
     fused: Any
+    precision: str = ""
+    gradient_clip: float | None = None
     logger_arguments: dict = field(default_factory=dict)  # per logger: a sweep job's W&B group/name the user left unset
     adjustments: tuple[Adjustment, ...] = ()
+    # the resume plan, settled by the trainer right after prepare (checkpoint/ sits above config/): the checkpoint
+    # chosen, the path loaded, universal (resharded) loading, the step a run continues from in place, the loggers'
+    # arguments that continue them; {} before that, and for a fresh run {"checkpoint": None}
+    resume: dict = field(default_factory=dict)
 
     def used(self, key: str) -> Any:
         """The value the run uses for a dotted key (the prepared config)."""

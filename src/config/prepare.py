@@ -86,6 +86,7 @@ def prepare(cfg: DictConfig) -> RunPlan:
         accumulate=int(cfg.trainer.accumulate_grad_batches), global_batch=int(global_batch),
         lr_asked=float(cfg.optim.lr), lr=float(cfg.optim.optimizer.lr), vocab_size=cfg.data.get("vocab_size"),
         tokenizer=cfg.data.get("tokenizer"), fused=cfg.optim.optimizer.get("fused"),
+        precision=str(cfg.trainer.precision), gradient_clip=cfg.trainer.get("gradient_clip_val"),
         logger_arguments=sweep_logger_arguments(cfg, identity), adjustments=adjustments_between(asked, cfg))
     mark_prepared(cfg)
     return plan

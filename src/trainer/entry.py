@@ -10,6 +10,7 @@ the run dir are rank 0's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -193,6 +194,9 @@ def _train(plan: RunPlan, started: float) -> dict[str, Any]:
     chosen = resolve_ckpt_path(cfg, output_dir)
     ckpt_path, universal = plan_resume(cfg, chosen, output_dir, plan.world_size)
     resume_step, logger_arguments = prepare_loggers(cfg, chosen, output_dir)  # in place: the same W&B run and TB dir
+    plan = dataclasses.replace(plan, resume={  # the resume plan, in the run plan (run_plan.json)
+        "checkpoint": chosen, "load": ckpt_path, "universal": bool(universal), "in_place_step": resume_step,
+        "logger_arguments": logger_arguments})
     L.seed_everything(cfg.seed, workers=True)
     datamodule, module, trainer, final_ckpt, plan = build(plan, logger_arguments)
     resolved = resolved_config(plan)  # after build: a hub tokenizer's vocabulary is known now

@@ -108,4 +108,5 @@ def test_a_run_never_writes_its_config_and_leaves_the_plan_next_to_the_resolved_
     resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert plan["per_rank_batch"] == resolved.data.batch_size == 4
     assert plan["lr"] == pytest.approx(resolved.optim.optimizer.lr)
-    assert isinstance(plan["adjustments"], list)
+    assert plan["precision"] == str(resolved.trainer.precision) and isinstance(plan["adjustments"], list)
+    assert plan["resume"]["checkpoint"] is None and plan["resume"]["in_place_step"] is None  # a fresh run

@@ -178,6 +178,8 @@ def test_hub_id_tokenizer_from_the_local_hf_cache(model_dirs, corpus_dir, tmp_pa
     again = train_in_process([*overrides[:-2], "trainer.max_steps=2", "export.hf=false", "resume=auto"],
                              tmp_path / "run", tmp_path / "cache")
     assert again["status"] == "completed" and again["global_step"] == 2 and again["resumed_from"]
+    resume = json.loads((tmp_path / "run" / "run_plan.json").read_text())["resume"]
+    assert resume["in_place_step"] == 1 and resume["checkpoint"] == again["resumed_from"], resume
     # checked against the built model too: a fixed embedding smaller than the tokenizer
     with pytest.raises(ConfigError, match="data.tokenizer=fake-org/gpt2-tok: the tokenizer has 400 token ids but "
                                           r"vocab_size=300 in the model's config \(model.net\)"):
