@@ -1,6 +1,7 @@
 """The config's path from the task function to ``trainer.fit``: every function of this package that is handed
 the run's config (the object or one of its nodes) or the run plan that carries it (config/plan.py RunPlan; not
-as ``self``: reading the plan's own methods is no stop) as an argument, in call order, until fit starts.
+as ``self``: reading the plan's own methods is no stop; nor is a dataclass's generated ``__init__``, which only stores
+its fields) as an argument, in call order, until fit starts.
 
 ``walk(overrides, run_dir, cache)`` runs ``dsdebug.train.run`` (the Hydra task function, as the command line
 does) on a composed config, records with ``sys.setprofile``, and stops at ``Trainer.fit`` (nothing is trained).
@@ -55,6 +56,8 @@ def walk(overrides: list[str], run_dir: Path, cache: Path) -> list[str]:
         if not module.startswith("dsdebug."):
             return
         code = frame.f_code
+        if code.co_filename == "<string>":  # code a library generated (a dataclass's __init__): stores, acts on nothing
+            return
         for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
             value = frame.f_locals.get(name)
             if (isinstance(value, (DictConfig, ListConfig)) and id(value) in ids) or \
