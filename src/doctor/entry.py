@@ -31,7 +31,7 @@ from dsdebug.doctor.verdict import print_verdict, summary_line
 from dsdebug.errors import StoppedByCheck
 from dsdebug.findings import Finding, configure_channel
 from dsdebug.report.finish import finish_run
-from dsdebug.trainer.entry import bind_config, build, model_config, resolved_config
+from dsdebug.trainer.entry import bind_config, build, model_config, resolved_config, the_plan
 
 __all__ = ["doctor"]
 
@@ -41,9 +41,7 @@ log = logging.getLogger(__name__)
 def doctor(plan: RunPlan) -> dict[str, Any]:
     """The probes instead of training, for the run plan ``dsdebug.config.prepare.prepare(cfg)`` returns."""
     started, cpu_started = time.time(), time.process_time()
-    if not isinstance(plan, RunPlan):
-        raise RuntimeError("doctor(plan) needs the run plan that dsdebug.config.prepare.prepare(cfg) returns (a "
-                           f"prepared config), got {type(plan).__name__}")
+    plan = the_plan(plan, "doctor(plan)")
     cfg = plan.cfg
     watch_parent()
     output_dir = Path(cfg.paths.output_dir)

@@ -45,12 +45,13 @@ from dsdebug.findings.secrets import redact
 from dsdebug.config.tokenizer_check import check_fits_model, check_vocab_size
 from dsdebug.config.plan import Adjustment, RunPlan, replace_plan
 
-__all__ = ["Built", "bind_config", "build", "model_config", "resolved_config", "train"]
+__all__ = ["Built", "bind_config", "build", "model_config", "resolved_config", "the_plan", "train"]
 
 log = logging.getLogger(__name__)
 
 
-def _the_plan(plan: Any, who: str) -> RunPlan:
+def the_plan(plan: Any, who: str) -> RunPlan:
+    """``plan`` when it is the run plan ``prepare`` returns, else a RuntimeError naming ``who`` needs it."""
     if not isinstance(plan, RunPlan):
         raise RuntimeError(f"{who} needs the run plan that dsdebug.config.prepare.prepare(cfg) returns (a prepared "
                            f"config), got {type(plan).__name__}")
@@ -72,7 +73,7 @@ def build(plan: RunPlan, logger_arguments: dict[str, dict] | None = None,
     ``logger_arguments``: per logger, values over its config (a resume in place); ``keep_callback``: which of
     ``callbacks`` to build (the doctor keeps the user's own). The checks that compare the run's config across
     ranks get it last, ``bind_config`` (before fit)."""
-    plan = _the_plan(plan, "build(plan)")
+    plan = the_plan(plan, "build(plan)")
     cfg = plan.cfg
     # callbacks first: they set env vars/flags (seeds, NCCL debug) before anything else exists,
     # and a bad callback value fails in ~1 s instead of after data and model are built
@@ -177,7 +178,7 @@ def train(plan: RunPlan) -> dict[str, Any]:
     """build -> fit -> export -> report for the run plan ``dsdebug.config.prepare.prepare(cfg)`` returns (src/train.py
     run calls it first; so does tests' train_in_process)."""
     started = time.time()
-    plan = _the_plan(plan, "train(plan)")
+    plan = the_plan(plan, "train(plan)")
     watch_parent()  # a child rank exits if rank 0 dies (no orphans)
     set_strict((plan.cfg.get("debug") or {}).get("strict"))  # a check that raises: isolated (default) or re-raised
     try:
